@@ -1,0 +1,64 @@
+"""Server configuration: one dataclass shared by ``labserver.serve`` and ``labserver serve``.
+
+Kept apart from runtime state (as uvicorn keeps ``Config`` apart from ``Server``),
+so the Python call and the command line have the same defaults by construction.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, fields
+
+from .engine import Limits
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STRATEGY = "thread"
+DEFAULT_MODEL = "minilm"
+
+
+@dataclass
+class ServerConfig:
+    strategy: str = DEFAULT_STRATEGY
+    model: str = DEFAULT_MODEL  # a model spec, see labserver.models
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16 (auto: float16 on GPU, float32 on CPU)
+    task: str | None = None  # transformers pipeline task, for hub ids and folders
+    limits: Limits = field(default_factory=Limits)
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port
+    max_body_bytes: int = 1 << 20  # request body limit, bytes (413 above)
+    max_inputs: int = 256  # texts per /predict request (400 above)
+    max_chars: int = 100_000  # characters per text (400 above); the model truncates tokens itself
+    debug: bool = False  # tracebacks in error responses: never on a shared server
+    drain_grace_s: float = 10.0  # on shutdown, time to finish queued work before answering 503
+    lag_interval_ms: float = 10.0  # event-loop lag probe period, ms
+    log_level: str = "warning"
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_inputs", "max_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+
+    @classmethod
+    def build(cls, **kwargs: object) -> ServerConfig:
+        """Accept Limits fields (max_batch_size, max_wait_ms, ...) flat, beside the rest."""
+        limit_names = {f.name for f in fields(Limits)}
+        own_names = {f.name for f in fields(cls)}
+        limits = {k: kwargs.pop(k) for k in list(kwargs) if k in limit_names}
+        unknown = set(kwargs) - own_names
+        if unknown:
+            known = sorted((own_names - {"limits"}) | limit_names)
+            raise TypeError(f"unknown option(s) {sorted(unknown)}; known: {', '.join(known)}")
+        if limits:
+            kwargs["limits"] = Limits(**limits)  # type: ignore[arg-type]
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    def warn_if_exposed(self) -> None:
+        if self.host not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning(
+                "binding %s: labserver is a teaching harness with no authentication; "
+                "anyone who can reach this address can use (and load) it", self.host,
+            )

@@ -1,0 +1,444 @@
+"""The queue, the worker and the records: everything a strategy needs except its rule.
+
+A request's texts become ``Item``s on one ``ItemQueue``. One worker coroutine asks
+the strategy for the next batch (``Strategy.collect``), drops items whose client
+left or whose deadline passed, runs the model (inline on the event loop, or on a
+dedicated thread), and resolves each item's future with its output or its error.
+
+Nothing here knows HTTP, Starlette or torch: the model is any callable from a list
+of texts to a list of outputs, and outcomes are plain results or exceptions that
+the server maps to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .models import ModelError, OutOfMemory
+
+if TYPE_CHECKING:
+    from .strategies import Strategy
+
+logger = logging.getLogger(__name__)
+
+ModelFn = Callable[[list[str]], list[Any]]
+
+
+class Overloaded(Exception):
+    """The queue is at max_queue: reject now (503) rather than wait forever."""
+
+
+class Expired(Exception):
+    """The request's deadline passed before its batch was dispatched (504)."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping and this item was not computed (503)."""
+
+
+class WorkerDied(Exception):
+    """The worker (task or thread) running the model is gone (503)."""
+
+
+@dataclass
+class Limits:
+    max_batch_size: int | None = 32  # items per model call; None = no cap (the guide's pseudo-code)
+    max_wait_ms: float = 1.0  # how long a batch may wait for company, ms
+    max_queue: int | None = None  # queued items before new requests get 503; None = unbounded
+    timeout_ms: float | None = None  # per-request deadline from arrival, ms; None = none
+    idle_dispatch: bool = True  # dispatch at once when nothing else is queued (deadline, thread)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1 or None, got {self.max_batch_size}")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+        if self.max_queue is not None and self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1 or None, got {self.max_queue}")
+        if self.timeout_ms is not None and self.timeout_ms <= 0:
+            raise ValueError(f"timeout_ms must be > 0 or None, got {self.timeout_ms}")
+
+    @property
+    def cap(self) -> float:
+        return math.inf if self.max_batch_size is None else self.max_batch_size
+
+
+@dataclass
+class BatchRecord:
+    batch_id: int
+    size: int
+    reason: str  # why it left: full, deadline, idle, timeout, single, ...
+    dispatched_s: float  # clock time the batch went to the model, s
+    queue_wait_ms: float  # mean over its items of enqueue -> dispatch, ms
+    compute_ms: float = math.nan  # model time, retries included, ms
+    failed: int = 0  # items that got a model error
+    calls: int = 0  # model calls it took (1 unless a failure made us split it)
+
+
+@dataclass(eq=False)
+class Item:
+    text: str
+    future: asyncio.Future[Any]
+    enqueued_s: float  # clock time it joined the queue, s
+    deadline_s: float = math.inf  # clock time after which it must not be computed, s
+    request_id: str = ""
+    batch: BatchRecord | None = None  # set when dispatched
+
+    @property
+    def queue_ms(self) -> float:
+        return math.nan if self.batch is None else (self.batch.dispatched_s - self.enqueued_s) * 1000
+
+
+class ItemQueue:
+    """A FIFO of items with ``get(timeout_s)``: the one waiting primitive strategies use.
+
+    Items whose future is already done (client gone, request timed out) are skipped
+    and counted, never handed out.
+    """
+
+    def __init__(self) -> None:
+        self._items: deque[Item] = deque()
+        self._waiter: asyncio.Future[bool] | None = None
+        self.skipped = 0  # dead items dropped before compute
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, items: list[Item]) -> None:
+        self._items.extend(items)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(True)
+
+    def empty(self) -> bool:
+        self._prune()
+        return not self._items
+
+    def _prune(self) -> None:
+        while self._items and self._items[0].future.done():
+            self._items.popleft()
+            self.skipped += 1
+
+    def drain(self) -> list[Item]:
+        items, self._items = list(self._items), deque()
+        return items
+
+    async def get(self, timeout_s: float | None = None) -> Item | None:
+        """The next live item; None if none arrived within timeout_s (None = wait forever)."""
+        loop = asyncio.get_running_loop()
+        end_s = None if timeout_s is None else loop.time() + timeout_s
+        while True:
+            self._prune()
+            if self._items:
+                return self._items.popleft()
+            remaining = None if end_s is None else end_s - loop.time()
+            if remaining is not None and remaining <= 0:
+                return None
+            self._waiter = loop.create_future()
+            timer = None if remaining is None else loop.call_later(remaining, _wake, self._waiter)
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+
+
+def _wake(fut: asyncio.Future[bool]) -> None:
+    if not fut.done():
+        fut.set_result(False)
+
+
+def run_isolating(model: ModelFn, texts: list[str]) -> tuple[list[Any], int]:
+    """Run a batch; if it raises, split it in halves and retry each.
+
+    Returns one entry per text (an output or the exception for that text) and the
+    number of model calls. One poisoned input costs about 2*log2(n) extra calls and
+    fails alone; an out-of-memory batch is retried smaller until it fits or a single
+    item still does not.
+    """
+    try:
+        outputs = model(texts)
+        if len(outputs) != len(texts):
+            raise ModelError(f"model returned {len(outputs)} outputs for {len(texts)} inputs")
+        return list(outputs), 1
+    except Exception as e:
+        if len(texts) == 1:
+            if not isinstance(e, ModelError):
+                logger.error("model failed on one input", exc_info=e)
+            return [e], 1
+        if isinstance(e, OutOfMemory):
+            logger.warning("batch of %d did not fit; splitting and retrying", len(texts))
+        mid = len(texts) // 2
+        left, n_left = run_isolating(model, texts[:mid])
+        right, n_right = run_isolating(model, texts[mid:])
+        return left + right, 1 + n_left + n_right
+
+
+class ModelThread:
+    """One dedicated thread that runs model calls handed to it from the event loop.
+
+    A plain thread rather than an executor so that its death is a real event: if a
+    call raises something that is not an Exception (SystemExit, a crash in a C
+    extension surfacing as BaseException), the thread ends, ``on_death`` runs on the
+    loop, and the caller's pending future fails with WorkerDied.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_death: Callable[[BaseException], None]) -> None:
+        self._loop = loop
+        self._jobs: queue.SimpleQueue[tuple[asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]] | None]
+        self._jobs = queue.SimpleQueue()
+        self._on_death = on_death
+        self._thread = threading.Thread(target=self._run, name="labserver-model", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+        fut = self._loop.create_future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        fut: asyncio.Future[Any] | None = None
+        try:
+            while (job := self._jobs.get()) is not None:
+                fut, fn, args = job
+                try:
+                    result = fn(*args)
+                except Exception as e:  # an ordinary failure: hand it back, keep going
+                    self._loop.call_soon_threadsafe(_settle, fut, None, e)
+                else:
+                    self._loop.call_soon_threadsafe(_settle, fut, result, None)
+                fut = None
+        except BaseException as e:
+            logger.critical("model thread died", exc_info=e)
+            died = WorkerDied(f"model thread died: {type(e).__name__}")
+            try:
+                if fut is not None:
+                    self._loop.call_soon_threadsafe(_settle, fut, None, died)
+                self._loop.call_soon_threadsafe(self._on_death, died)
+            except RuntimeError:  # the loop is already closed: nobody is waiting
+                pass
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(error)
+
+
+@dataclass
+class Counters:
+    batches: int = 0
+    items_computed: int = 0
+    items_failed: int = 0  # model errors, per item
+    expired: int = 0  # deadline passed while queued: answered 504, never computed
+    rejected_overload: int = 0  # 503 at submit
+    skipped_dead: int = 0  # client gone / timed out while queued: never computed
+    computed_after_deadline: int = 0  # must stay 0: counted, not assumed
+    model_calls: int = 0
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+    reasons: Counter[str] = field(default_factory=Counter)
+
+
+class Engine:
+    """One strategy, one model, one queue and the worker that joins them."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        model: ModelFn,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        history: int = 20_000,
+    ) -> None:
+        self.strategy = strategy
+        self.limits = strategy.limits
+        self.model = model
+        self.clock = clock
+        self.queue = ItemQueue()
+        self.counters = Counters()
+        self.batches: deque[BatchRecord] = deque(maxlen=history)  # the most recent batches
+        self.computing: list[Item] = []  # the batch in the model right now
+        self.dead: BaseException | None = None  # why the worker stopped, if it did
+        self.accepting = False
+        self._ids = itertools.count(1)
+        self._task: asyncio.Task[None] | None = None
+        self._thread: ModelThread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.strategy.offload:
+            self._thread = ModelThread(loop, self._died)
+        self._task = loop.create_task(self._work(), name=f"labserver-{self.strategy.name}")
+        self._task.add_done_callback(self._task_done)
+        self.accepting = True
+
+    @property
+    def healthy(self) -> bool:
+        return self.accepting and self.dead is None
+
+    async def drain(self, grace_s: float = 10.0) -> None:
+        """Stop taking requests; finish what is queued for up to grace_s, then answer the rest 503."""
+        self.accepting = False
+        end_s = self.clock() + grace_s
+        while (len(self.queue) or self.computing) and self.clock() < end_s and self.dead is None:
+            await asyncio.sleep(0.005)
+        self._fail_all(ShuttingDown("server is shutting down; retry elsewhere"))
+
+    async def stop(self) -> None:
+        await self.drain(0)
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.stop)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self.dead is not None:
+            return
+        err = task.exception() or RuntimeError("worker returned")
+        self._died(WorkerDied(f"worker stopped: {type(err).__name__}: {err}"))
+
+    def _died(self, err: BaseException) -> None:
+        if self.dead is None:
+            logger.critical("labserver worker is gone; answering 503 from now on: %s", err)
+        self.dead = err
+        self._fail_all(WorkerDied(str(err)))
+
+    def _fail_all(self, err: Exception) -> None:
+        self._fail(self.queue.drain() + self.computing, err)
+
+    @staticmethod
+    def _fail(items: list[Item], err: BaseException) -> None:
+        for item in items:
+            _settle(item.future, None, err)
+
+    # -- the request side --------------------------------------------------------------
+    def submit(self, texts: list[str], request_id: str = "") -> list[Item]:
+        """Queue one request's texts, all or nothing. Raises Overloaded/ShuttingDown/WorkerDied."""
+        if self.dead is not None:
+            raise WorkerDied("the model worker is gone")
+        if not self.accepting:
+            raise ShuttingDown("server is not accepting requests")
+        limits = self.limits
+        if limits.max_queue is not None and len(self.queue) + len(texts) > limits.max_queue:
+            self.counters.rejected_overload += len(texts)
+            raise Overloaded(f"queue is full ({len(self.queue)} of {limits.max_queue} waiting)")
+        loop = asyncio.get_running_loop()
+        now = self.clock()
+        deadline = now + limits.timeout_ms / 1000 if limits.timeout_ms is not None else math.inf
+        items = [Item(t, loop.create_future(), now, deadline, request_id) for t in texts]
+        self.queue.put(items)
+        return items
+
+    # -- the worker --------------------------------------------------------------------
+    async def _work(self) -> None:
+        while True:
+            batch, reason = await self.strategy.collect(self.queue, self.clock)
+            live = self._prune(batch)
+            if live:
+                await self._compute(live, reason)
+
+    def _prune(self, batch: list[Item]) -> list[Item]:
+        now = self.clock()
+        live = []
+        for item in batch:
+            if item.future.done():
+                self.counters.skipped_dead += 1
+            elif item.deadline_s < now:
+                self.counters.expired += 1
+                item.future.set_exception(Expired("deadline passed while queued"))
+            else:
+                live.append(item)
+        return live
+
+    async def _compute(self, items: list[Item], reason: str) -> None:
+        now = self.clock()
+        record = BatchRecord(
+            batch_id=next(self._ids),
+            size=len(items),
+            reason=reason,
+            dispatched_s=now,
+            queue_wait_ms=sum(now - i.enqueued_s for i in items) / len(items) * 1000,
+        )
+        for item in items:
+            item.batch = record
+            if item.deadline_s < now:  # _prune makes this impossible; count it, don't assume it
+                self.counters.computed_after_deadline += 1
+        self.computing = items
+        texts = [i.text for i in items]
+        try:
+            if self._thread is not None:
+                results, calls = await self._thread.submit(run_isolating, self.model, texts)
+            else:
+                results, calls = run_isolating(self.model, texts)  # blocks the event loop: the point
+        except asyncio.CancelledError:
+            self._fail(items, ShuttingDown("server stopped during compute"))
+            raise
+        except BaseException as e:  # not a model error (those come back as results): the worker dies
+            self._fail(items, e if isinstance(e, WorkerDied) else WorkerDied(f"{type(e).__name__}: {e}"))
+            raise
+        finally:
+            self.computing = []
+        record.compute_ms = (self.clock() - now) * 1000
+        record.calls = calls
+        self._account(record)
+        for item, result in zip(items, results, strict=True):
+            if isinstance(result, Exception):
+                record.failed += 1
+                self.counters.items_failed += 1
+                _settle(item.future, None, result)
+            else:
+                _settle(item.future, result, None)
+
+    def _account(self, record: BatchRecord) -> None:
+        c = self.counters
+        c.batches += 1
+        c.model_calls += record.calls
+        c.items_computed += record.size
+        c.batch_sizes[record.size] += 1
+        c.reasons[record.reason] += 1
+        self.batches.append(record)
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "strategy": self.strategy.name,
+            "limits": vars(self.limits).copy(),
+            "queue_depth": len(self.queue),
+            "computing": len(self.computing),
+            "healthy": self.healthy,
+            "batches": c.batches,
+            "model_calls": c.model_calls,
+            "items_computed": c.items_computed,
+            "items_failed": c.items_failed,
+            "expired_in_queue": c.expired,
+            "skipped_client_gone": c.skipped_dead + self.queue.skipped,
+            "rejected_overload": c.rejected_overload,
+            "computed_after_deadline": c.computed_after_deadline,
+            "batch_size_histogram": {str(k): v for k, v in sorted(c.batch_sizes.items())},
+            "dispatch_reasons": dict(c.reasons),
+        }

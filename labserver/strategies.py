@@ -1,0 +1,147 @@
+"""Serving strategies: the rule that decides when a batch leaves, swappable by name.
+
+A strategy is one small class. ``collect`` takes items from a queue that offers a
+single waiting primitive, ``await queue.get(timeout_s)`` (None on timeout), plus
+``queue.empty()``, and a clock (seconds); it returns the batch and why it left.
+Everything else (dropping dead items, running the model, answering) is the
+engine's, so a strategy is testable on a virtual clock without HTTP or torch
+(see ``labserver.virtual``).
+
+``offload = True`` runs the model on a dedicated thread instead of the event loop.
+
+Adding a strategy: subclass ``Strategy``, set ``name``, write ``collect``, and
+decorate it with ``@register``. Nothing else changes: the server, the CLI and the
+notebooks look strategies up in ``STRATEGIES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from .engine import Limits
+
+if TYPE_CHECKING:
+    from .engine import Item
+
+
+class Queue(Protocol):
+    async def get(self, timeout_s: float | None = None) -> Item | None: ...
+
+    def empty(self) -> bool: ...
+
+
+Clock = Callable[[], float]
+Batch = tuple[list["Item"], str]  # (items, dispatch reason)
+
+STRATEGIES: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    if cls.name in STRATEGIES:
+        raise ValueError(f"strategy name {cls.name!r} is taken by {STRATEGIES[cls.name].__qualname__}")
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+class Strategy:
+    name: ClassVar[str] = ""
+    offload: ClassVar[bool] = False  # True: the model runs on its own thread, the loop stays free
+    summary: ClassVar[str] = ""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+
+    async def collect(self, queue: Queue, clock: Clock) -> Batch:
+        raise NotImplementedError
+
+
+def make_strategy(name: str | type[Strategy] | Strategy, limits: Limits | None = None) -> Strategy:
+    """A strategy from its name (or class, or an instance, returned as is)."""
+    if isinstance(name, Strategy):
+        return name
+    if isinstance(name, type):
+        return name(limits)
+    try:
+        return STRATEGIES[name](limits)
+    except KeyError:
+        known = ", ".join(STRATEGIES)
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {known}") from None
+
+
+@register
+class Naive(Strategy):
+    """The guide's first server: one request at a time, model on the event loop."""
+
+    name = "naive"
+    summary = "one item per model call, on the event loop"
+
+    async def collect(self, queue: Queue, clock: Clock) -> Batch:
+        item = await queue.get()
+        assert item is not None  # get() without a timeout only returns an item
+        return [item], "single"
+
+
+@register
+class PerFetch(Strategy):
+    """The guide's dynamic-batching pseudo-code: a timeout that restarts on every fetch.
+
+    A trickle of arrivals closer together than max_wait keeps the batch open far past
+    max_wait (the flaw the guide points out), and an empty queue still costs max_wait.
+    ``max_batch_size`` adds the cap the guide says is missing; None reproduces the guide.
+    """
+
+    name = "per-fetch"
+    summary = "wait max_wait after each fetch (the guide's pseudo-code), on the event loop"
+
+    async def collect(self, queue: Queue, clock: Clock) -> Batch:
+        first = await queue.get()
+        assert first is not None
+        batch = [first]
+        while len(batch) < self.limits.cap:
+            item = await queue.get(self.limits.max_wait_ms / 1000)
+            if item is None:
+                return batch, "timeout"
+            batch.append(item)
+        return batch, "full"
+
+
+@register
+class Deadline(Strategy):
+    """One deadline per batch, fixed when its first item is taken.
+
+    Leaves when full, when the deadline passes, or, with ``idle_dispatch`` (the
+    default), as soon as nothing else is queued: no waiting when nobody is coming.
+    With idle dispatch the batch is simply "everything queued, up to the cap";
+    the deadline then only matters with ``idle_dispatch=False``.
+    """
+
+    name = "deadline"
+    summary = "one deadline from the first item; dispatch when full, due or idle; on the event loop"
+
+    async def collect(self, queue: Queue, clock: Clock) -> Batch:
+        first = await queue.get()
+        assert first is not None
+        batch = [first]
+        due_s = clock() + self.limits.max_wait_ms / 1000
+        while len(batch) < self.limits.cap:
+            if self.limits.idle_dispatch and queue.empty():
+                return batch, "idle"
+            remaining_s = due_s - clock()
+            item = await queue.get(remaining_s) if remaining_s > 0 else None
+            if item is None:
+                return batch, "deadline"
+            batch.append(item)
+        return batch, "full"
+
+
+@register
+class Thread(Deadline):
+    """The deadline rule, with the model on a dedicated thread: the event loop never blocks.
+
+    ``max_batch_size=1`` gives plain per-request offloading.
+    """
+
+    name = "thread"
+    offload = True
+    summary = "the deadline rule, model on a dedicated worker thread"

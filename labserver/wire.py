@@ -1,0 +1,44 @@
+"""What travels on the wire between a labserver server and any client.
+
+The server writes these headers on every answered request so that a client (the
+load generator, curl, a notebook) can split a request's latency into the server's
+own parts. The load generator reads them by name and knows nothing else of the
+server: it can load any URL, and simply finds the headers missing on a peer.
+
+Error bodies always have the shape ``{"error": {"type": ..., "message": ...,
+"request_id": ...}}``; the ``type`` values are listed in ``ERROR_TYPES``.
+"""
+
+from __future__ import annotations
+
+HEADER_REQUEST_ID = "x-request-id"
+HEADER_QUEUE_MS = "x-queue-ms"  # time from enqueue to its batch's dispatch, ms
+HEADER_COMPUTE_MS = "x-compute-ms"  # model time of the batch it rode in, ms
+HEADER_BATCH_SIZE = "x-batch-size"  # items in that batch
+HEADER_BATCH_ID = "x-batch-id"  # server-wide batch counter, for timelines
+HEADER_DISPATCH = "x-dispatch-reason"  # why that batch left: full, deadline, idle, ...
+HEADER_SERVER_MS = "x-server-ms"  # enqueue of the first item to the response, ms
+
+SERVER_HEADERS = (
+    HEADER_REQUEST_ID,
+    HEADER_QUEUE_MS,
+    HEADER_COMPUTE_MS,
+    HEADER_BATCH_SIZE,
+    HEADER_BATCH_ID,
+    HEADER_DISPATCH,
+    HEADER_SERVER_MS,
+)
+
+# error "type" -> HTTP status it travels with
+ERROR_TYPES: dict[str, int] = {
+    "bad_request": 400,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "payload_too_large": 413,
+    "model_error": 500,
+    "internal": 500,
+    "model_unavailable": 503,
+    "overloaded": 503,
+    "shutting_down": 503,
+    "timeout": 504,
+}
