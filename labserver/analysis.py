@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -311,6 +312,17 @@ def summarize(
     return pd.Series(out, name="summary")
 
 
+def _tidy_counts(table: pd.DataFrame) -> pd.DataFrame:
+    """Zero-fill the counts only some runs have and keep each kind together, sorted."""
+    statuses = sorted((c for c in table.columns if re.fullmatch(r"n_\d+", c)), key=lambda c: int(c[2:]))
+    reasons = sorted(c for c in table.columns if c.startswith("dispatch_"))
+    for column in statuses + reasons:
+        table[column] = table[column].fillna(0).astype("int64")
+    rest = [c for c in table.columns if c not in statuses and c not in reasons]
+    at_errors, at_batches = rest.index("n_err") + 1, rest.index("max_batch_size") + 1
+    return table[rest[:at_errors] + statuses + rest[at_errors:at_batches] + reasons + rest[at_batches:]]
+
+
 def summarize_runs(
     records: pd.DataFrame,
     slo_ms: float | None = None,
@@ -333,9 +345,7 @@ def summarize_runs(
             for key, group in records.groupby(keys, sort=False, dropna=False)
         ]
     )
-    for column in table.columns:
-        if column.startswith(("n_", "dispatch_")):
-            table[column] = table[column].fillna(0).astype("int64")
+    table = _tidy_counts(table)
     if "rate" in keys:
         table = table.sort_values("rate", kind="stable")
     if "label" in keys:
@@ -418,8 +428,5 @@ def sweep(
             lo = mid
         else:
             hi = mid
-    probes = pd.DataFrame(summaries)
-    for column in probes.columns:
-        if column.startswith(("n_", "dispatch_")):
-            probes[column] = probes[column].fillna(0).astype("int64")
+    probes = _tidy_counts(pd.DataFrame(summaries))
     return SweepResult(best_rate=lo, probes=probes, records=combine(frames))

@@ -298,21 +298,25 @@ class Engine:
         return self.accepting and self.dead is None
 
     async def drain(self, grace_s: float = 10.0) -> None:
-        """Stop taking requests; finish what is queued for up to grace_s, then answer the rest 503."""
+        """Stop taking requests; finish what is queued for up to grace_s, then answer the rest 503.
+
+        The batch already in the model is never cut short: it finishes (see ``stop``).
+        """
         self.accepting = False
         end_s = self.clock() + grace_s
         while (len(self.queue) or self.computing) and self.clock() < end_s and self.dead is None:
             await asyncio.sleep(0.005)
-        self._fail_all(ShuttingDown("server is shutting down; retry elsewhere"))
+        self._fail(self.queue.drain(), ShuttingDown("server is shutting down; retry elsewhere"))
 
-    async def stop(self) -> None:
+    async def stop(self, batch_timeout_s: float = 60.0) -> None:
+        """Drain with no grace, let the batch in flight finish, then end the worker."""
         await self.drain(0)
+        end_s = self.clock() + batch_timeout_s
+        while self.computing and self.clock() < end_s and self.dead is None:
+            await asyncio.sleep(0.005)
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait([self._task])  # its end (cancelled, or the fault that killed it) is already handled
         if self._thread is not None:
             await asyncio.to_thread(self._thread.stop)
 

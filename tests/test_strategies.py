@@ -1,0 +1,138 @@
+"""Batching rules on a virtual clock: deterministic, no HTTP, no torch, no sleeping."""
+
+from __future__ import annotations
+
+import pytest
+
+from labserver.engine import Limits
+from labserver.strategies import STRATEGIES, Deadline, Strategy, make_strategy, register
+from labserver.virtual import simulate
+
+BATCHING = ["per-fetch", "deadline", "thread"]
+
+
+def ms(*values: float) -> list[float]:
+    return [v / 1000 for v in values]
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_batch_cap_is_respected(name: str) -> None:
+    s = make_strategy(name, Limits(max_batch_size=8, max_wait_ms=5))
+    run = simulate(s, arrivals_s=[0.0] * 100, service_ms=lambda n: 1.0)
+    assert sum(run.sizes) == 100
+    assert max(run.sizes) <= 8
+    if name == "naive":
+        assert set(run.sizes) == {1}
+    else:
+        assert run.sizes[:12] == [8] * 12
+        assert {b.reason for b in run.batches[:12]} == {"full"}
+
+
+def test_per_fetch_without_cap_takes_everything_waiting() -> None:
+    s = make_strategy("per-fetch", Limits(max_batch_size=None, max_wait_ms=1))
+    run = simulate(s, arrivals_s=[0.0] * 500, service_ms=lambda n: 1.0)
+    assert run.sizes == [500]  # the guide's pseudo-code: no cap at all
+
+
+def test_per_fetch_flaw_trickle_keeps_batch_open() -> None:
+    """Arrivals 0.8 ms apart with max_wait 1 ms: every fetch restarts the timer."""
+    trickle = ms(*(0.8 * i for i in range(50)))
+    per_fetch = simulate(make_strategy("per-fetch", Limits(None, max_wait_ms=1)), trickle, lambda n: 2.0)
+    first = per_fetch.batches[0]
+    assert first.size == 50
+    assert first.dispatched_s * 1000 == pytest.approx(0.8 * 49 + 1.0)  # 40.2 ms, for a 1 ms window
+    # its first item waited 40 times max_wait
+    assert per_fetch.latencies_ms[0] > 40
+
+    deadline = simulate(make_strategy("deadline", Limits(None, max_wait_ms=1, idle_dispatch=False)),
+                        trickle, lambda n: 2.0)
+    assert deadline.batches[0].dispatched_s * 1000 == pytest.approx(1.0)
+    assert deadline.batches[0].size == 2  # items at 0 and 0.8 ms
+    assert deadline.batches[0].reason == "deadline"
+    # no batch ever waits past max_wait after its first item
+    assert max(b.queue_wait_ms for b in deadline.batches) <= 1.0 + 1e-9 + 2.0  # + one service time
+
+
+@pytest.mark.parametrize("name", ["deadline", "thread"])
+def test_deadline_is_anchored_at_first_item(name: str) -> None:
+    s = make_strategy(name, Limits(max_batch_size=16, max_wait_ms=1, idle_dispatch=False))
+    run = simulate(s, ms(0, 0.5, 0.9, 1.5), lambda n: 10.0)
+    first, second = run.batches
+    assert (first.size, first.reason) == (3, "deadline")
+    assert first.dispatched_s == pytest.approx(0.001)  # 1 ms after the first item, not after the last
+    assert second.size == 1
+
+
+def test_per_fetch_restarts_where_deadline_does_not() -> None:
+    arrivals = ms(0, 0.5, 0.9, 1.5)
+    run = simulate(make_strategy("per-fetch", Limits(16, max_wait_ms=1)), arrivals, lambda n: 10.0)
+    assert run.sizes == [4]
+    assert run.batches[0].dispatched_s == pytest.approx(0.0025)
+
+
+@pytest.mark.parametrize("name", ["deadline", "thread"])
+def test_idle_dispatch_sends_at_once(name: str) -> None:
+    s = make_strategy(name, Limits(max_batch_size=16, max_wait_ms=50))
+    run = simulate(s, ms(0, 100), lambda n: 1.0)
+    assert [(b.size, b.reason, b.dispatched_s) for b in run.batches] == [(1, "idle", 0.0), (1, "idle", 0.1)]
+
+
+def test_idle_dispatch_takes_all_that_is_already_queued() -> None:
+    """Arrivals during a long compute form the next batch, with no extra wait."""
+    s = make_strategy("deadline", Limits(max_batch_size=16, max_wait_ms=50))
+    run = simulate(s, ms(0, 1, 2, 3, 4), lambda n: 10.0)
+    assert run.sizes == [1, 4]
+    assert run.batches[1].dispatched_s == pytest.approx(0.010)  # right after the first compute
+    assert run.batches[1].reason == "idle"
+
+
+def test_per_fetch_always_waits_even_when_idle() -> None:
+    """The guide: 'This will always wait for 1ms even if the queue is empty'."""
+    run = simulate(make_strategy("per-fetch", Limits(16, max_wait_ms=1)), [0.0], lambda n: 1.0)
+    assert run.batches[0].dispatched_s == pytest.approx(0.001)
+    assert run.batches[0].reason == "timeout"
+
+
+def test_naive_is_one_at_a_time_fifo() -> None:
+    run = simulate(make_strategy("naive"), ms(0, 0, 0), lambda n: 5.0)
+    assert [b.dispatched_s for b in run.batches] == pytest.approx([0, 0.005, 0.010])
+    assert run.latencies_ms == pytest.approx([5, 10, 15])
+
+
+def test_thread_is_deadline_on_a_thread() -> None:
+    assert issubclass(STRATEGIES["thread"], Deadline)
+    assert STRATEGIES["thread"].offload and not STRATEGIES["deadline"].offload
+    assert not STRATEGIES["naive"].offload and not STRATEGIES["per-fetch"].offload
+
+
+def test_unknown_strategy_says_what_exists() -> None:
+    with pytest.raises(ValueError, match="naive, per-fetch, deadline, thread"):
+        make_strategy("fastest")
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError, match="max_batch_size"):
+        Limits(max_batch_size=0)
+    with pytest.raises(ValueError, match="max_wait_ms"):
+        Limits(max_wait_ms=-1)
+
+
+def test_a_fifth_strategy_is_one_registered_class() -> None:
+    class Pairs(Strategy):
+        """Waits for exactly two items (a toy)."""
+
+        name = "pairs-test"
+
+        async def collect(self, queue, clock):  # type: ignore[no-untyped-def]
+            first = await queue.get()
+            second = await queue.get()
+            return [first, second], "pair"
+
+    register(Pairs)
+    try:
+        run = simulate(make_strategy("pairs-test"), ms(0, 1, 2, 3), lambda n: 1.0)
+        assert run.sizes == [2, 2]
+        with pytest.raises(ValueError, match="taken"):
+            register(Pairs)
+    finally:
+        del STRATEGIES["pairs-test"]
