@@ -182,7 +182,7 @@ def batches(records: pd.DataFrame) -> pd.DataFrame:
     ``_dispatch_estimate_s``) and ``end_s = start_s + compute_ms``. Sorted by
     ``start_s``; empty when the server sent no batch ids.
     """
-    rows = measured(records)
+    rows = measured(records).reset_index(drop=True)  # the estimate below joins on the index
     keys = _run_keys(rows)
     columns = [*keys, "batch_id", "size", "seen", "dispatch", "compute_ms", "start_s", "end_s"]
     if "batch_id" not in rows.columns or rows["batch_id"].isna().all():
@@ -227,9 +227,11 @@ def request_phases(records: pd.DataFrame) -> pd.DataFrame:
     Columns: ``i`` (and run keys), ``scheduled_s``, ``sent_s``, ``enqueue_s``,
     ``dispatch_s``, ``compute_end_s``, ``done_s``, ``status``. Between them: late
     send, transit and parsing, queue wait, compute, the way back. The server-side
-    stamps are NaN without the server's headers.
+    stamps are NaN without the server's headers. One clock cannot split network
+    time between the way there and back: the dispatch estimate puts all of it on
+    the way back for the last request to reach its batch.
     """
-    rows = measured(records)
+    rows = measured(records).reset_index(drop=True)
     out = rows[[*_run_keys(rows), "i", "scheduled_s", "sent_s", "done_s", "status"]].copy()
     if "queue_ms" not in rows.columns:
         for name in ("enqueue_s", "dispatch_s", "compute_end_s"):
@@ -304,11 +306,22 @@ def summarize(
     ``duration_s`` overrides the measured window (``window_s``); ``meta`` (the
     load generator's) adds ``offered_rps`` and ``concurrency``; a request counts as
     sent late when more than ``late_threshold_ms`` behind its schedule.
+
+    Entries: ``count`` (non-warm-up requests), ``n_ok`` (2xx), ``window_s``,
+    ``throughput_rps`` (2xx per second of window); ``p50_ms`` ``p90_ms``
+    ``p99_ms`` ``p999_ms`` ``mean_ms`` ``max_ms`` (2xx latency); ``error_frac``
+    (non-2xx share), ``n_err`` (no response), ``n_<status>`` (always 500, 503,
+    504, and any other seen); ``slo_ms``, ``goodput_rps``; ``n_batches``,
+    ``mean_batch_size``, ``max_batch_size`` (each batch once),
+    ``dispatch_<reason>`` (batches per reason); ``mean_queue_ms``,
+    ``mean_compute_ms``, ``mean_server_ms`` (over 2xx requests); ``late_frac``,
+    ``max_late_ms`` (the load generator falling behind its schedule).
     """
     out = _summary(records, slo_ms, duration_s, late_threshold_ms)
     if meta is not None:
         target = meta.get("target_rate")
-        out = {"offered_rps": math.nan if target is None else float(target), "concurrency": meta.get("concurrency"), **out}
+        offered = math.nan if target is None else float(target)
+        out = {"offered_rps": offered, "concurrency": meta.get("concurrency"), **out}
     return pd.Series(out, name="summary")
 
 
@@ -338,7 +351,7 @@ def summarize_runs(
     """
     keys = [key for key in by if key in records.columns]
     if not keys:
-        return pd.DataFrame([_summary(records, slo_ms, duration_s, late_threshold_ms)])
+        return _tidy_counts(pd.DataFrame([_summary(records, slo_ms, duration_s, late_threshold_ms)]))
     table = pd.DataFrame(
         [
             {**dict(zip(keys, key)), **_summary(group, slo_ms, duration_s, late_threshold_ms)}

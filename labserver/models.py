@@ -187,12 +187,11 @@ class MiniLM:
     def __call__(self, texts: list[str]) -> list[Any]:
         torch = self._torch
         enc = self.tokenizer(
-            texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt",
-            return_overflowing_tokens=False, return_length=True,
+            texts, padding=True, truncation=True, max_length=self.max_tokens, return_tensors="pt"
         )
-        # A text is truncated when its untruncated length would exceed the limit;
-        # the tokenizer only tells us the kept length, so we test for "filled to the brim".
-        lengths = enc.pop("length").tolist()
+        # The tokenizer reports only what it kept, so "truncated" means "filled to the brim":
+        # a text of exactly max_tokens tokens is flagged too (harmless, and says why).
+        lengths = enc["attention_mask"].sum(1).tolist()
         enc = {k: v.to(self.device) for k, v in enc.items()}
         with torch.inference_mode():
             hidden = self.model(**enc).last_hidden_state

@@ -233,6 +233,17 @@ def batch_size_hist(
     return ax
 
 
+def _busiest_runs(frame: pd.DataFrame, rate: float | None) -> pd.DataFrame:
+    """One run per label: the one offered ``rate`` where there is one, else the label's highest."""
+    if "rate" not in frame.columns or frame["rate"].isna().all():
+        return frame
+    parts = []
+    for _, rows in _groups(frame, "label"):
+        chosen = rate if rate is not None and (rows["rate"] == rate).any() else rows["rate"].max()
+        parts.append(rows[rows["rate"].isna()] if pd.isna(chosen) else rows[rows["rate"] == chosen])
+    return pd.concat(parts)
+
+
 def _one_run(frame: pd.DataFrame, label: Any, rate: float | None) -> pd.DataFrame:
     """The rows of one run: the given (or first) label, then the given (or first) rate."""
     if "label" in frame.columns and len(frame):
@@ -311,6 +322,10 @@ def batch_gantt(
         return _empty(ax, "no batch timings in these records")
     keys = [key for key in analysis.RUN_KEYS if key in table.columns and table[key].notna().any()]
     runs = list(table.groupby(keys, sort=False, dropna=False)) if keys else [((), table)]
+    if keys:  # lanes by label as given, then rate ascending (the table itself is in time order)
+        rank = {label: n for n, label in enumerate(pd.unique(frame["label"]))} if "label" in keys else {}
+        runs.sort(key=lambda run: tuple(
+            rank[k] if key == "label" else (np.inf if pd.isna(k) else k) for key, k in zip(keys, run[0])))
     largest = max(int(table["size"].max()), 2)  # a 1..1 colour scale is degenerate
     norm, colours = Normalize(vmin=1, vmax=largest), colormaps[cmap]
     names = []
@@ -381,13 +396,15 @@ def overview(
     lag: Records | None = None,
     probes: pd.DataFrame | None = None,
     slo_ms: float | None = None,
+    rate: float | None = None,
     n_requests: int = 40,
     title: str | None = None,
     figsize: tuple[float, float] = (15.0, 9.0),
 ) -> Figure:
-    """One figure of the pictures above, for saving: CDF, latency vs throughput,
-    batch sizes; a request timeline and the batch Gantt of the first run; the
-    event-loop lag when samples are given.
+    """One figure of the pictures above, for saving: CDF, latency vs throughput and
+    batch sizes over every run; the request timeline (first label) and batch
+    Gantt (every label) of the runs offered ``rate``, by default each label's
+    highest rate, where queues are longest; the event-loop lag when given.
 
     The Figure is not registered with pyplot (nothing to close, nothing shown
     twice): save it with ``fig.savefig``, or leave it as a notebook cell's value.
@@ -399,11 +416,13 @@ def overview(
     table = summary if summary is not None else analysis.summarize_runs(frame, slo_ms=slo_ms)
     latency_vs_throughput(table, fig.add_subplot(grid[0, 1]), slo_ms=slo_ms)
     batch_size_hist(frame, fig.add_subplot(grid[0, 2]))
-    first = _one_run(frame, None, None)
+    busiest = _busiest_runs(frame, rate)
+    first = _one_run(busiest, None, None)
     ax = request_timeline(first, fig.add_subplot(grid[1, 0]), n=n_requests)
     if "label" in first.columns and len(first):
-        ax.set_title(f"Where each request's time went: {first['label'].iloc[0]}")
-    batch_gantt(frame, fig.add_subplot(grid[1, 1] if lag is not None else grid[1, 1:]))
+        at = f" @ {first['rate'].iloc[0]:g}/s" if "rate" in first.columns and first["rate"].notna().any() else ""
+        ax.set_title(f"Where each request's time went: {first['label'].iloc[0]}{at}")
+    batch_gantt(busiest, fig.add_subplot(grid[1, 1] if lag is not None else grid[1, 1:]))
     if lag is not None:
         loop_lag(lag, fig.add_subplot(grid[1, 2]), probes=probes)
     if title:

@@ -1,0 +1,37 @@
+# Two commands do everything on a fresh machine with Python 3.11+:
+#   make compare   install, then run the main job (labserver compare on the embedded model)
+#   make test      install, then run every test (notebooks included)
+# torch is installed first and exactly: on CPU machines torch==2.13.0 is a CPU wheel,
+# while a looser spec pulls several GB of CUDA packages.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install test compare quick lab clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,notebook]'
+	$(PY) -m ipykernel install --user --name python3 >/dev/null
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+compare: $(STAMP)
+	$(VENV)/bin/labserver compare
+
+quick: $(STAMP)
+	$(VENV)/bin/labserver compare --quick
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab notebooks/
+
+clean:
+	rm -rf $(VENV)

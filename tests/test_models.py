@@ -1,0 +1,82 @@
+"""Model specs, including the real embedded model (small, offline)."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+
+import labserver
+from labserver.models import POISON, Echo, InputRejected, ModelError, ModelLoadError, load_model, parse_synthetic
+
+
+def test_synthetic_spec_and_cost() -> None:
+    m = parse_synthetic("synthetic:2+0.5")
+    assert (m.base_ms, m.per_item_ms, m.cost_ms(4)) == (2.0, 0.5, 4.0)
+    assert m(["a", "bb"]) == [{"chars": 1}, {"chars": 2}]
+    with pytest.raises(ModelError):
+        m(["fine", f"x{POISON}x"])
+    with pytest.raises(ValueError, match="synthetic:BASE_MS"):
+        parse_synthetic("synthetic:fast")
+    with pytest.raises(ValueError, match="oom_above"):
+        parse_synthetic("synthetic:1+1?oops=1")
+
+
+def test_echo_and_load_errors() -> None:
+    assert isinstance(load_model("echo"), Echo)
+    with pytest.raises(ModelLoadError, match="cannot load"):
+        load_model("/definitely/not/a/model")
+
+
+@pytest.fixture(scope="module")
+def minilm():  # type: ignore[no-untyped-def]
+    return load_model("minilm", device="cpu")
+
+
+def test_minilm_embeds_offline(minilm) -> None:  # type: ignore[no-untyped-def]
+    a, b, c = minilm(["A cat sits on the mat.", "A kitten is sitting on a rug.", "Stock markets fell sharply."])
+    for out in (a, b, c):
+        assert len(out["embedding"]) == 384
+        assert math.isclose(sum(x * x for x in out["embedding"]), 1.0, rel_tol=1e-5)
+        assert out["truncated"] is False
+
+    def cos(u: dict, v: dict) -> float:
+        return sum(x * y for x, y in zip(u["embedding"], v["embedding"]))
+
+    assert cos(a, b) > cos(a, c) + 0.2  # a real sentence model, not noise
+
+
+def test_minilm_batched_equals_single(minilm) -> None:  # type: ignore[no-untyped-def]
+    texts = ["short", "a somewhat longer sentence with more tokens in it"]
+    batched = minilm(texts)
+    single = [minilm([t])[0] for t in texts]
+    for x, y in zip(batched, single):
+        assert max(abs(p - q) for p, q in zip(x["embedding"], y["embedding"])) < 1e-5  # padding is masked
+
+
+def test_minilm_truncates_and_says_so(minilm) -> None:  # type: ignore[no-untyped-def]
+    out = minilm(["word " * 2000, "short one"])
+    assert out[0]["truncated"] is True and out[1]["truncated"] is False
+
+
+def test_bert_base_random_fill_mask() -> None:
+    m = load_model("bert-base-random", device="cpu")
+    n_params = sum(p.numel() for p in m.pipe.model.parameters())
+    assert 105e6 < n_params < 115e6  # bert-base-uncased size
+    out = m(["test [MASK]", "two [MASK] and [MASK]"])
+    assert len(out[0]["predictions"]) == 5 and "meaningless" in out[0]["note"]
+    assert len(out[1]["predictions"]) == 2  # one candidate list per mask
+    with pytest.raises(InputRejected, match=r"\[MASK\]"):
+        m.check("no mask here")
+
+
+def test_guide_curl_against_the_embedded_default() -> None:
+    """curl -X POST -d "test sentence" http://127.0.0.1:PORT/ on the real default model."""
+    with labserver.serve() as h:
+        assert h.config.model == "minilm" and h.config.strategy == "thread"
+        r = httpx.post(h.url + "/", content=b"test sentence", timeout=60)
+        assert r.status_code == 200
+        assert len(r.json()["embedding"]) == 384
+        r = httpx.post(h.url + "/predict", json={"inputs": ["one", "two", "three"]}, timeout=60)
+        assert [len(o["embedding"]) for o in r.json()["outputs"]] == [384] * 3
