@@ -16,7 +16,6 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,notebook]'
-	$(PY) -m ipykernel install --user --name python3 >/dev/null
 	touch $(STAMP)
 
 install: $(STAMP)
