@@ -25,7 +25,7 @@ from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from . import analysis
 
@@ -91,6 +91,19 @@ def _empty(ax: Axes, message: str) -> Axes:
     return ax
 
 
+def _plain_log_ticks(axis: Any) -> None:
+    """Label a log-scaled ms axis 10, 20, 50, 100 rather than 10¹, 2×10¹, ...
+
+    Call after the data are drawn: a narrow range gets 1-2-5 ticks, a wide one
+    (over three decades) only powers of ten, so labels never crowd.
+    """
+    low, high = sorted(axis.get_view_interval())
+    wide = low <= 0 or high / low > 1000.0
+    axis.set_major_locator(LogLocator(base=10.0, subs=(1.0,) if wide else (1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def _ok_latency(rows: pd.DataFrame) -> np.ndarray:
     rows = analysis.measured(rows)
     ok = rows["status"].between(200, 299)
@@ -130,6 +143,7 @@ def latency_cdf(
             y_mark = 1.0 - q / 100.0 if tail else q / 100.0
             ax.scatter([value], [y_mark], marker=MARKERS.get(q, "o"), color=colors[label], edgecolor="black", zorder=3)
     ax.set_xscale("log")
+    _plain_log_ticks(ax.xaxis)
     if tail:
         ax.set_yscale("log")
         ax.set_ylabel("fraction of 2xx requests slower")
@@ -182,6 +196,7 @@ def latency_vs_throughput(
     if slo_ms is not None:
         ax.axhline(slo_ms, color="0.3", linestyle=":", label=f"SLO {slo_ms:g} ms")
     ax.set_yscale("log")
+    _plain_log_ticks(ax.yaxis)
     ax.set_xlabel("achieved throughput (2xx responses/s)")
     ax.set_ylabel("latency from scheduled send (ms, log scale)")
     ax.set_title("Latency vs throughput (labels: offered rate)" if annotate_rates else "Latency vs throughput")

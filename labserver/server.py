@@ -16,12 +16,14 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
 import traceback
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import psutil
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -37,6 +39,7 @@ from .models import InputRejected, Model, ModelError, ModelLoadError, load_model
 from .strategies import make_strategy
 
 logger = logging.getLogger(__name__)
+_PROC = psutil.Process()
 
 
 class ClientError(Exception):
@@ -325,6 +328,15 @@ async def health(request: Request) -> Response:
     return JSONResponse(body, 200 if rt.healthy() else 503)
 
 
+def process_info() -> dict[str, float]:
+    """Memory, threads and tasks: what a soak watches for leaks. Call on the server's loop."""
+    try:
+        tasks = len(asyncio.all_tasks())
+    except RuntimeError:  # not on a loop
+        tasks = -1
+    return {"rss_mb": round(_PROC.memory_info().rss / 2**20, 1), "threads": threading.active_count(), "tasks": tasks}
+
+
 def stats_dict(rt: Runtime, batches: int = 0, lag: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "state": rt.state,
@@ -333,6 +345,7 @@ def stats_dict(rt: Runtime, batches: int = 0, lag: bool = False) -> dict[str, An
         "uptime_s": round(time.time() - rt.started_s, 3),
         "statuses": {str(k): v for k, v in sorted(rt.statuses.items())},
         "loop_lag": rt.lag.summary(),
+        "process": process_info(),
     }
     if rt.engine is not None:
         out.update(rt.engine.stats())
