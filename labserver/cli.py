@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from .config import DEFAULT_MODEL, DEFAULT_STRATEGY, ServerConfig
 from .engine import Limits
@@ -69,6 +71,143 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rates(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    from . import experiment
+
+    overrides = {k: v for k, v in dict(
+        strategies=args.strategies.split(",") if args.strategies else None, model=args.model,
+        device=args.device, rates=_rates(args.rates) if args.rates else None, duration_s=args.duration,
+        max_batch_size=args.max_batch, slo_ms=args.slo_ms,
+    ).items() if v is not None}
+    cfg = experiment.CompareConfig.quick(**overrides) if args.quick else experiment.CompareConfig(**overrides)
+    out = Path(args.out) if args.out else Path("results") / datetime.now().strftime("compare-%Y%m%d-%H%M%S")
+    print(f"labserver compare: {', '.join(cfg.strategies)} on {cfg.model}, rates {list(cfg.rates)} req/s, "
+          f"{cfg.duration_s:g}+{cfg.warmup_s:g} s each -> {out}", file=sys.stderr)
+
+    def progress(name: str, rate: float, result: Any) -> None:
+        s = result.summary()
+        print(f"  {name:>9} @ {rate:>5g}/s: ok {s['ok']}/{s['requests']}, p50 {s['latency_ms_p50']:.1f} ms, "
+              f"p99 {s['latency_ms_p99']:.1f} ms", file=sys.stderr)
+
+    result = experiment.compare(cfg, out, on_run=progress)
+    print(experiment.table(result.summary))
+    for w in result.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(f"wrote {out}/: records.csv, summary.json, summary.csv, lag.csv, machine.json and PNG plots",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from . import experiment
+
+    for path in experiment.draw(args.results_dir):
+        print(path)
+    return 0
+
+
+def _load_options(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = dict(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
+                                mode=args.mode, processes=args.processes, allow_remote=args.allow_remote)
+    if args.concurrency:
+        opts["users"] = args.concurrency
+    else:
+        opts.update(arrival=args.arrival, rate_per_s=args.rate)
+    if args.payload_file:
+        from .arrivals import FileLines
+
+        opts["payload"] = FileLines(args.payload_file)
+    else:
+        from .arrivals import WordTexts
+
+        opts["payload"] = WordTexts(min_words=8, max_words=24)
+    return opts
+
+
+def _target(args: argparse.Namespace) -> tuple[str, Any]:
+    """The URL to load: --url as given, or a server started here for --strategy."""
+    if args.url:
+        return args.url, None
+    from .launch import serve
+
+    handle = serve(args.strategy, args.model, device=args.device, dtype=args.dtype, task=args.task,
+                   **vars(limits_from(args)))
+    return handle.url, handle
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import analysis
+    from .loadgen import run_load_sync
+
+    if not args.concurrency and not args.rate:
+        raise ValueError("give --rate R (open loop) or --concurrency C (closed loop)")
+    url, handle = _target(args)
+    try:
+        result = run_load_sync(url, **_load_options(args))
+    finally:
+        if handle is not None:
+            handle.stop()
+    summary = analysis.summarize(result.records, slo_ms=args.slo_ms, meta=result.meta)
+    print(summary.to_string(float_format=lambda x: f"{x:.4g}"))
+    for w in result.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if args.out:
+        result.to_csv(args.out)
+        print(f"wrote {args.out} (+ .json with meta and warnings)", file=sys.stderr)
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from . import analysis
+    from .loadgen import run_load_sync
+
+    url, handle = _target(args)
+    opts = _load_options(args)
+    opts.pop("users", None)
+
+    def at_rate(rate: float) -> Any:
+        result = run_load_sync(url, **{**opts, "arrival": args.arrival, "rate_per_s": rate})
+        print(f"  {rate:8.1f}/s: p99 {result.summary()['latency_ms_p99']:.1f} ms", file=sys.stderr)
+        return result.records, result.meta
+
+    try:
+        found = analysis.sweep(at_rate, args.slo_p99_ms, args.start_rate, rel_tol=args.tolerance)
+    finally:
+        if handle is not None:
+            handle.stop()
+    cols = [c for c in ("step", "phase", "rate", "passed", "throughput_rps", "p50_ms", "p99_ms", "error_frac")
+            if c in found.probes]
+    print(found.probes[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    print(f"highest rate meeting p99 <= {args.slo_p99_ms:g} ms: {found.best_rate:.1f} req/s")
+    if args.out:
+        found.probes.to_csv(args.out, index=False)
+    return 0
+
+
+def add_load_args(p: argparse.ArgumentParser, rate_required: bool = False) -> None:
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="load this server (loopback only unless --allow-remote)")
+    target.add_argument("--strategy", choices=list(STRATEGIES), help="start this strategy here and load it")
+    add_model_args(p)
+    add_strategy_args(p, with_strategy=False)
+    p.add_argument("--arrival", default="poisson", choices=["poisson", "constant"], help="(default: %(default)s)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of sending (default: %(default)s)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds left out of the summary (default: %(default)s)")
+    p.add_argument("--mode", default="text", choices=["text", "json"], help="POST / text, or /predict JSON")
+    p.add_argument("--payload-file", help="send the lines of this file (default: seeded 8-24 word sentences)")
+    p.add_argument("--processes", type=int, default=1, help="load generator processes (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ms", type=float, default=None, help="goodput: answers within this count")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url (mind whose it is)")
+    p.add_argument("--out", help="write the result here (CSV)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="labserver", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +223,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="tracebacks in error responses (never when shared)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("compare", help="the main job: every strategy, same load, table + results/ + plots")
+    p.add_argument("--quick", action="store_true", help="about a minute instead of about five")
+    p.add_argument("--strategies", help="comma-separated (default: all four)")
+    p.add_argument("--model", default=None, help="(default: minilm, the embedded model)")
+    p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "mps"])
+    p.add_argument("--rates", help="comma-separated offered req/s (default: 25,100,200,300; quick: 25,200)")
+    p.add_argument("--duration", type=float, default=None, help="measured seconds per run")
+    p.add_argument("--max-batch", type=int, default=None, help="(default: 64)")
+    p.add_argument("--slo-ms", type=float, default=None, help="goodput SLO (default: 500)")
+    p.add_argument("--out", help="results folder (default: results/compare-<time>)")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("bench", help="one load run against a URL or a strategy started here")
+    add_load_args(p)
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--rate", type=float, help="open loop: offered req/s")
+    shape.add_argument("--concurrency", type=int, help="closed loop: this many users")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("sweep", help="the highest offered rate whose p99 meets an SLO (bisection)")
+    add_load_args(p)
+    p.add_argument("--slo-p99-ms", type=float, required=True)
+    p.add_argument("--start-rate", type=float, default=20.0, help="(default: %(default)s)")
+    p.add_argument("--tolerance", type=float, default=0.05, help="relative bracket to stop at (default: 5%%)")
+    p.set_defaults(func=cmd_sweep, concurrency=None, rate=None)
+
+    p = sub.add_parser("plot", help="redraw the plots of a results folder from its saved records")
+    p.add_argument("results_dir")
+    p.set_defaults(func=cmd_plot)
     return parser
 
 

@@ -197,12 +197,11 @@ class MiniLM:
             hidden = self.model(**enc).last_hidden_state
             mask = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            vectors = torch.nn.functional.normalize(pooled, dim=1).float().cpu()
-        # tolist() builds Python floats once, in C; the JSON encoder then has nothing to convert.
-        out = []
-        for vec, n in zip(vectors.tolist(), lengths, strict=True):
-            out.append({"embedding": vec, "truncated": n >= self.max_tokens})
-        return out
+            vectors = torch.nn.functional.normalize(pooled, dim=1).float().cpu().numpy()
+        # Rows stay float32 numpy arrays: the server's JSON encoder (orjson) writes them
+        # directly, ~20x faster than json.dumps over 384 Python floats, and with float32's
+        # shortest round-trip digits the body is half the size.
+        return [{"embedding": vec, "truncated": n >= self.max_tokens} for vec, n in zip(vectors, lengths, strict=True)]
 
     def check(self, text: str) -> None:
         pass
