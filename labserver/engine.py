@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -158,6 +158,23 @@ def _wake(fut: asyncio.Future[bool]) -> None:
         fut.set_result(False)
 
 
+async def _let_loop_run(turns: int = 16) -> None:
+    """Give the event loop some turns between two model calls made on it.
+
+    ``queue.get`` returns at once while items are queued, and an inline model call
+    never awaits, so without this a strategy on the loop never yields while work is
+    queued: it answers nobody until the queue is empty, reads no new request (no
+    quick 503) and never sees a client leave. The loop is meant to block *during* a
+    call, not between calls. Each turn moves every pending chain one step (a
+    finished future wakes ``asyncio.wait``, which wakes the handler, which writes the
+    response; a new socket is accepted, read, parsed, queued; a closed one wakes the
+    disconnect watcher, which wakes the handler, which cancels its items): chains
+    are 4-6 steps long, so 16 turns leave margin. Cost: a few microseconds each.
+    """
+    for _ in range(turns):
+        await asyncio.sleep(0)
+
+
 def run_isolating(model: ModelFn, texts: list[str]) -> tuple[list[Any], int]:
     """Run a batch; if it raises, split it in halves and retry each.
 
@@ -165,6 +182,20 @@ def run_isolating(model: ModelFn, texts: list[str]) -> tuple[list[Any], int]:
     number of model calls. One poisoned input costs about 2*log2(n) extra calls and
     fails alone; an out-of-memory batch is retried smaller until it fits or a single
     item still does not.
+    """
+    steps = isolating_steps(model, texts)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def isolating_steps(model: ModelFn, texts: list[str]) -> Generator[None, None, tuple[list[Any], int]]:
+    """``run_isolating`` as a generator that pauses before every retry.
+
+    An inline strategy drives it with loop turns in the pauses, so a poisoned batch
+    blocks the event loop for one model call at a time, not for all ~2*log2(n) of them.
     """
     try:
         outputs = model(texts)
@@ -178,10 +209,12 @@ def run_isolating(model: ModelFn, texts: list[str]) -> tuple[list[Any], int]:
             return [e], 1
         if isinstance(e, OutOfMemory):
             logger.warning("batch of %d did not fit; splitting and retrying", len(texts))
-        mid = len(texts) // 2
-        left, n_left = run_isolating(model, texts[:mid])
-        right, n_right = run_isolating(model, texts[mid:])
-        return left + right, 1 + n_left + n_right
+    mid = len(texts) // 2
+    yield
+    left, n_left = yield from isolating_steps(model, texts[:mid])
+    yield
+    right, n_right = yield from isolating_steps(model, texts[mid:])
+    return left + right, 1 + n_left + n_right
 
 
 class ModelThread:
@@ -362,12 +395,14 @@ class Engine:
     async def _work(self) -> None:
         while True:
             batch, reason = await self.strategy.collect(self.queue, self.clock)
-            live = self._prune(batch)
+            now = self.clock()  # one reading for the expiry check and the dispatch time
+            live = self._prune(batch, now)
             if live:
-                await self._compute(live, reason)
+                await self._compute(live, reason, now)
+                if self._thread is None:
+                    await _let_loop_run()
 
-    def _prune(self, batch: list[Item]) -> list[Item]:
-        now = self.clock()
+    def _prune(self, batch: list[Item], now: float) -> list[Item]:
         live = []
         for item in batch:
             if item.future.done():
@@ -379,8 +414,7 @@ class Engine:
                 live.append(item)
         return live
 
-    async def _compute(self, items: list[Item], reason: str) -> None:
-        now = self.clock()
+    async def _compute(self, items: list[Item], reason: str, now: float) -> None:
         record = BatchRecord(
             batch_id=next(self._ids),
             size=len(items),
@@ -390,15 +424,22 @@ class Engine:
         )
         for item in items:
             item.batch = record
-            if item.deadline_s < now:  # _prune makes this impossible; count it, don't assume it
+            if item.deadline_s < now:  # _prune (same clock reading) makes this impossible; count, don't assume
                 self.counters.computed_after_deadline += 1
         self.computing = items
         texts = [i.text for i in items]
         try:
             if self._thread is not None:
                 results, calls = await self._thread.submit(run_isolating, self.model, texts)
-            else:
-                results, calls = run_isolating(self.model, texts)  # blocks the event loop: the point
+            else:  # blocks the event loop (the point), one model call at a time
+                steps = isolating_steps(self.model, texts)
+                while True:
+                    try:
+                        next(steps)
+                    except StopIteration as done:
+                        results, calls = done.value
+                        break
+                    await _let_loop_run()
         except asyncio.CancelledError:
             self._fail(items, ShuttingDown("server stopped during compute"))
             raise

@@ -69,6 +69,7 @@ class _Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[int] | None = None
         self.headers: dict[str, str] = {}
         self.got_bytes = False  # any response byte since the request went out
+        self.keep_alive = False
         self.lost = False
 
     def connection_made(self, transport) -> None:
@@ -95,6 +96,7 @@ class _Connection(asyncio.Protocol):
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_message_complete(self) -> None:
+        self.keep_alive = self.parser.should_keep_alive()  # only valid while still parsing
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(self.parser.get_status_code())
 
@@ -156,7 +158,7 @@ class RawClient:
                 raise
             finally:
                 self._busy.discard(conn)
-            if conn.parser.should_keep_alive() and not conn.lost:
+            if conn.keep_alive and not conn.lost:
                 self._idle.append(conn)
             else:
                 conn.transport.close()

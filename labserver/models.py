@@ -306,5 +306,5 @@ def load_model(spec: str = "minilm", *, device: str = "auto", dtype: str = "auto
         raise
     except ImportError as e:
         raise ModelLoadError(f"cannot load {spec!r}: missing package ({e.name or e}); install it and retry") from e
-    except (OSError, ValueError, RuntimeError) as e:
+    except (OSError, ValueError, RuntimeError, KeyError) as e:  # KeyError: transformers' unknown task
         raise ModelLoadError(f"cannot load {spec!r}: {e}") from e

@@ -1,0 +1,390 @@
+"""The load generator: send a schedule of requests over HTTP and record each one.
+
+Open loop (the default) sends at the times an arrival process chose in advance,
+whatever the server does; closed loop runs N users that each wait for an answer
+(and an optional think time) before sending again. Every request is one row in
+``LoadResult.records``; ``latency_ms`` runs from the *scheduled* send time, so a
+stalled server or a stalled client cannot hide queueing (no coordinated omission),
+and ``send_latency_ms`` is what a naive client would report, kept for comparison.
+
+This module talks HTTP only (``labserver.loadclient``) and reads the server's
+timing headers by name (``labserver.wire``); it can load any URL. By default it
+runs in a separate, spawned process so that a model running inline in the caller
+(a notebook kernel) cannot stall the client. Scripts that use process mode need the
+usual ``if __name__ == "__main__":`` guard, as with any spawned multiprocessing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import pickle
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+import pandas as pd
+
+from labserver.arrivals import Arrival, PayloadLike, make_arrival, take_payloads
+from labserver.loadclient import CLIENTS, check_target
+from labserver.loadworker import (PROBE_FIELDS, ROW_FIELDS, Plan, run_here, run_in_processes,
+                                  run_on_fresh_loop)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LATE_MS", "LoadResult", "LoadSpec", "RECORD_COLUMNS", "run_load", "run_load_sync"]
+
+LATE_MS = 1.0  # a send this much after its scheduled time counts as late
+LATE_FRACTION = 0.01  # more late sends than this and the run says the generator fell behind
+
+RECORD_COLUMNS: dict[str, str] = {  # column -> dtype, in order
+    "i": "int64", "process": "int64", "scheduled_s": "float64", "sent_s": "float64",
+    "done_s": "float64", "status": "int64", "error": "str", "latency_ms": "float64",
+    "send_latency_ms": "float64", "late_ms": "float64", "warmup": "bool", "input_chars": "int64",
+    "queue_ms": "float64", "compute_ms": "float64", "batch_size": "Int64", "batch_id": "Int64",
+    "dispatch": "str", "server_ms": "float64", "request_id": "str",
+}
+PROBE_COLUMNS = PROBE_FIELDS
+
+
+@dataclass
+class LoadSpec:
+    """Everything that defines a run; ``run_load(url, **fields)`` builds one."""
+
+    url: str  # base ("http://127.0.0.1:8000") or full target URL
+    arrival: str | Arrival | Iterable[float] | None = None  # open loop; None -> "poisson"
+    rate_per_s: float | None = None  # for arrival "constant"/"poisson"
+    duration_s: float | None = None  # open loop: schedule window; closed: stop starting requests
+    max_requests: int | None = None  # at least one of duration_s / max_requests
+    users: int | None = None  # closed loop: this many users instead of an arrival process
+    think_s: float = 0.0  # closed loop: pause between a user's answer and its next send
+    payload: PayloadLike = "hello world"  # str, WordTexts, FileLines/Path, or any iterable
+    mode: str = "text"  # "text": POST text/plain body; "json": POST {"inputs": text}
+    path: str | None = None  # None -> url's own path, else "/" (text) or "/predict" (json)
+    warmup_s: float = 0.0  # requests scheduled before this are recorded but flagged
+    seed: int = 0
+    timeout_s: float = 60.0  # per request, connect to last byte
+    max_in_flight: int = 512  # open loop: outstanding requests allowed (all processes together)
+    overflow: str = "error"  # at max_in_flight: "error" records client_overflow; "wait" sends late
+    drain_s: float | None = None  # after the last send, wait this long for answers (None: up to timeout_s)
+    client: str = "raw"  # "raw" (fast) or "httpx"
+    process: bool = True  # run the client in spawned processes, away from the caller's loop
+    processes: int = 1  # generator processes splitting the schedule round-robin
+    probe_interval_s: float | None = None  # also GET probe_path this often, on its own connection
+    probe_path: str = "/health"
+    progress: bool | None = None  # tqdm bar; None: only for runs of 10 s or more
+    allow_remote: bool = False  # loopback targets only unless this is True
+
+    def __post_init__(self) -> None:
+        check_target(self.url, self.allow_remote)
+        choices = {"mode": ("text", "json"), "overflow": ("error", "wait"), "client": tuple(CLIENTS)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.duration_s is None and self.max_requests is None:
+            raise ValueError("give duration_s or max_requests (or both): a run must be bounded")
+        if self.users is not None and self.arrival is not None:
+            raise ValueError("give either users (closed loop) or arrival (open loop), not both")
+        if self.users is not None and self.users < 1:
+            raise ValueError(f"users must be >= 1, got {self.users}")
+        if self.processes < 1 or (self.processes > 1 and not self.process):
+            raise ValueError("processes must be >= 1, and process=True to use more than one")
+        if self.max_in_flight < self.processes:
+            raise ValueError("max_in_flight must be at least the number of processes")
+
+    def target_url(self) -> str:
+        parts = urlsplit(self.url)
+        path = self.path or (parts.path if parts.path not in ("", "/") else None)
+        path = path or ("/" if self.mode == "text" else "/predict")
+        return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+    def probe_url(self) -> str:
+        parts = urlsplit(self.url)
+        return urlunsplit((parts.scheme, parts.netloc, self.probe_path, "", ""))
+
+
+@dataclass
+class LoadResult:
+    records: pd.DataFrame  # one row per request, columns RECORD_COLUMNS
+    meta: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+    probes: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PROBE_COLUMNS))
+
+    @property
+    def measured(self) -> pd.DataFrame:
+        """The records after warm-up: what summaries are made of."""
+        return self.records[~self.records["warmup"]]
+
+    def summary(self) -> dict[str, Any]:
+        """A flat dict over the measured (non-warm-up) requests."""
+        m = self.measured
+        ok = m[(m["status"] // 100 == 2) & (m["error"] == "")]
+        done_span = _span(ok["done_s"])
+        lat, send = ok["latency_ms"], ok["send_latency_ms"]
+        return {
+            "requests": len(m), "warmup_requests": int(self.records["warmup"].sum()),
+            "ok": len(ok), "errors": len(m) - len(ok),
+            "error_kinds": m.loc[m["error"] != "", "error"].value_counts().to_dict(),
+            "latency_ms_p50": _quantile(lat, 0.5), "latency_ms_p90": _quantile(lat, 0.9),
+            "latency_ms_p99": _quantile(lat, 0.99), "latency_ms_max": _quantile(lat, 1.0),
+            "send_latency_ms_p50": _quantile(send, 0.5), "send_latency_ms_p99": _quantile(send, 0.99),
+            "throughput_per_s": (len(ok) - 1) / done_span if done_span > 0 else math.nan,
+            "achieved_send_rate_per_s": self.meta.get("achieved_send_rate_per_s"),
+        }
+
+    def to_csv(self, path: str | Path) -> Path:
+        """Write the records to ``path`` and meta, warnings and probes to ``path``.json."""
+        path = Path(path)
+        self.records.to_csv(path, index=False)
+        side = {"meta": self.meta, "warnings": self.warnings, "probes": self.probes.to_dict("list")}
+        _sidecar(path).write_text(json.dumps(side, indent=1, default=_jsonable))
+        return path
+
+    @classmethod
+    def from_csv(cls, path: str | Path) -> LoadResult:
+        path = Path(path)
+        # an empty cell is a missing value, except in "error" where it means "no error"
+        raw = pd.read_csv(path, keep_default_na=False,
+                          na_values={c: [""] for c in RECORD_COLUMNS if c != "error"})
+        records = _typed(raw)
+        side = json.loads(_sidecar(path).read_text()) if _sidecar(path).exists() else {}
+        probes = pd.DataFrame(side.get("probes") or {c: [] for c in PROBE_COLUMNS})
+        return cls(records, side.get("meta", {}), side.get("warnings", []), probes)
+
+
+async def run_load(url: str | LoadSpec, **options: Any) -> LoadResult:
+    """Run one load and return its records; see ``LoadSpec`` for the options.
+
+    ``await run_load("http://127.0.0.1:8000", rate_per_s=50, duration_s=10)``
+    """
+    spec = dataclasses.replace(url, **options) if isinstance(url, LoadSpec) else LoadSpec(url, **options)
+    plans, arrival = _plan(spec)
+    if spec.users:
+        total, expected_s = spec.max_requests, spec.duration_s or 0.0
+    else:
+        total = sum(len(p.scheduled_s) for p in plans)
+        expected_s = max((float(p.scheduled_s[-1]) for p in plans if len(p.scheduled_s)), default=0.0)
+    bar = _Progress(total, spec.progress if spec.progress is not None else expected_s >= 10)
+    started = datetime.now(timezone.utc)
+    t_wall = time.perf_counter()
+    try:
+        if not plans:
+            outs = []
+        elif spec.process:
+            outs = await run_in_processes(plans, bar.set)
+        else:
+            outs = [await run_here(plans[0], bar.set)]
+    finally:
+        bar.close()
+    records = _records(outs, spec.warmup_s, closed=bool(spec.users))
+    probes = pd.DataFrame([p for o in outs for p in o["probes"]], columns=PROBE_COLUMNS)
+    meta, warnings = _assess(spec, arrival, records)
+    meta.update(started_at=started.isoformat(), elapsed_s=time.perf_counter() - t_wall,
+                t0_unix_s=min((o["t0_unix_s"] for o in outs), default=math.nan))
+    for w in warnings:
+        logger.warning(w)
+    return LoadResult(records, meta, warnings, probes.sort_values("t_s", ignore_index=True))
+
+
+def run_load_sync(url: str | LoadSpec, **options: Any) -> LoadResult:
+    """``run_load`` for plain code, and for a Jupyter cell where an event loop already
+    runs in this thread: then the run gets a fresh loop in a helper thread.
+
+    While it runs this thread is blocked: a server started on this thread's loop
+    cannot answer. Use ``await run_load(...)`` in that case.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return run_on_fresh_loop(lambda: run_load(url, **options))
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = run_on_fresh_loop(lambda: run_load(url, **options))
+        except BaseException as exc:  # handed to the caller's thread below
+            box["error"] = exc
+
+    helper = threading.Thread(target=target, name="labserver-loadgen", daemon=True)
+    helper.start()
+    helper.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+# --- planning: what each generator process sends ------------------------------------------
+
+def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
+    n_proc = spec.processes if spec.process else 1
+    base = dict(url=spec.target_url(), mode=spec.mode, client=spec.client, timeout_s=spec.timeout_s,
+                overflow=spec.overflow, drain_s=spec.drain_s, seed=spec.seed)
+    plans: list[Plan] = []
+    if spec.users:
+        texts: list[str] = []
+        if spec.process and not _picklable(spec.payload):
+            if spec.max_requests is None:
+                raise ValueError("a generator of payloads cannot be shipped to a generator process: "
+                                 "pass a list, give max_requests, or use process=False")
+            texts = take_payloads(spec.payload, spec.max_requests, seed=[spec.seed, 1])
+        for w in range(n_proc):
+            share = len(range(w, spec.max_requests, n_proc)) if spec.max_requests is not None else None
+            plans.append(Plan(worker=w, index=np.empty(0, int), scheduled_s=np.empty(0),
+                               texts=texts[w::n_proc], users=len(range(w, spec.users, n_proc)),
+                               think_s=spec.think_s, duration_s=spec.duration_s or math.inf,
+                               max_requests=share, payload=None if texts else spec.payload,
+                               max_in_flight=spec.users, **base))
+        arrival = None
+    else:
+        arrival = make_arrival(spec.arrival or "poisson", spec.rate_per_s)
+        times = arrival.times(spec.duration_s, spec.max_requests, seed=spec.seed)
+        texts = take_payloads(spec.payload, len(times), seed=[spec.seed, 1])
+        index = np.arange(len(times))
+        for w in range(n_proc):  # round-robin keeps every process's share evenly spread in time
+            plans.append(Plan(worker=w, index=index[w::n_proc], scheduled_s=times[w::n_proc],
+                               texts=texts[w::n_proc], max_in_flight=-(-spec.max_in_flight // n_proc),
+                               **base))
+    if spec.probe_interval_s:
+        plans[0].probe_url, plans[0].probe_interval_s = spec.probe_url(), spec.probe_interval_s
+    return [p for p in plans if p.users or len(p.scheduled_s) or p.probe_url], arrival
+
+
+def _picklable(obj: Any) -> bool:
+    try:
+        pickle.dumps(obj)
+    except Exception:
+        return False
+    return True
+
+
+# --- one generator: runs on whatever loop it is given ------------------------------------
+
+# --- records, checks, small helpers ------------------------------------------------------
+
+def _records(outs: list[dict[str, Any]], warmup_s: float, *, closed: bool) -> pd.DataFrame:
+    df = pd.DataFrame([r for o in outs for r in o["rows"]], columns=ROW_FIELDS)
+    if closed:  # numbered in the order the users meant to send
+        df = df.sort_values(["scheduled_s", "process"], kind="stable", ignore_index=True)
+        df["i"] = np.arange(len(df))
+    df = df.sort_values("i", ignore_index=True)
+    df["latency_ms"] = (df["done_s"] - df["scheduled_s"]) * 1e3
+    df["send_latency_ms"] = (df["done_s"] - df["sent_s"]) * 1e3
+    df["late_ms"] = (df["sent_s"] - df["scheduled_s"]) * 1e3
+    df["warmup"] = df["scheduled_s"] < warmup_s
+    return _typed(df)
+
+
+def _typed(df: pd.DataFrame) -> pd.DataFrame:
+    out = {}
+    for col, dtype in RECORD_COLUMNS.items():
+        s = df[col]
+        if col == "error":
+            s = s.fillna("").astype("str")
+        elif dtype == "str":
+            s = s.astype("str").where(s.notna())
+        elif dtype == "Int64":
+            num = pd.to_numeric(s, errors="coerce")
+            s = num.where(num == num.round()).astype("Int64")
+        elif dtype == "bool" and s.dtype == object:
+            s = s.map({"True": True, "False": False, True: True, False: False}).astype(bool)
+        else:
+            s = pd.to_numeric(s, errors="coerce").astype(dtype)
+        out[col] = s
+    return pd.DataFrame(out).reset_index(drop=True)
+
+
+def _assess(spec: LoadSpec, arrival: Arrival | None, records: pd.DataFrame) -> tuple[dict, list[str]]:
+    measured = records[~records["warmup"]]
+    sent = measured[measured["sent_s"].notna()]
+    late = sent["late_ms"]
+    late_fraction = float((late > LATE_MS).mean()) if len(sent) else 0.0
+    scheduled_rate = _rate(measured["scheduled_s"])
+    achieved = _rate(sent["sent_s"])
+    n_overflow = int((records["error"] == "client_overflow").sum())
+    n_cancelled = int((records["error"] == "cancelled").sum())
+    meta = {f.name: _plain(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+    meta.update(
+        target_url=spec.target_url(), loop="closed" if spec.users else "open",
+        arrival=repr(arrival) if arrival else None,
+        nominal_rate_per_s=arrival.mean_rate_per_s(spec.duration_s) if arrival and spec.duration_s else None,
+        scheduled_rate_per_s=scheduled_rate, achieved_send_rate_per_s=achieved,
+        n_requests=len(records), n_warmup=int(records["warmup"].sum()), n_measured=len(measured),
+        n_sent=int(records["sent_s"].notna().sum()), n_overflow=n_overflow, n_cancelled=n_cancelled,
+        late_fraction=late_fraction, late_ms_p99=float(late.quantile(0.99)) if len(late) else math.nan,
+        late_ms_max=float(late.max()) if len(late) else math.nan,
+        processes=spec.processes if spec.process else 0,
+    )
+    warnings = []
+    if late_fraction > LATE_FRACTION:
+        why = (f" max_in_flight={spec.max_in_flight} was reached and overflow='wait' held sends back."
+               if spec.overflow == "wait" and not spec.users else
+               " Use processes=N, a lower rate, or a quieter machine.")
+        warnings.append(
+            f"the load generator fell behind: {late_fraction:.1%} of sends were more than {LATE_MS:g} ms "
+            f"late (p99 {meta['late_ms_p99']:.1f} ms, max {meta['late_ms_max']:.1f} ms); sent "
+            f"{achieved:.1f}/s against {scheduled_rate:.1f}/s scheduled. latency_ms still counts from "
+            f"the schedule, but the server saw a gentler load than asked.{why}")
+    if n_overflow:
+        warnings.append(
+            f"{n_overflow} requests ({n_overflow / len(records):.1%}) were not sent because "
+            f"max_in_flight={spec.max_in_flight} were already outstanding (error 'client_overflow'); "
+            "the server is slower than the arrival rate, or raise max_in_flight.")
+    if n_cancelled:
+        warnings.append(f"{n_cancelled} requests were still unanswered at the end and were cancelled.")
+    return meta, warnings
+
+
+def _quantile(values: pd.Series, q: float) -> float:
+    return float(values.quantile(q)) if len(values) else math.nan
+
+
+def _plain(value: Any) -> Any:
+    """Keep JSON-friendly settings as they are; name the rest (a generator, an Arrival)."""
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def _rate(times_s: pd.Series) -> float:
+    span = _span(times_s)
+    return (len(times_s) - 1) / span if span > 0 else math.nan
+
+
+def _span(times_s: pd.Series) -> float:
+    return float(times_s.max() - times_s.min()) if len(times_s) > 1 else 0.0
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return repr(obj)
+
+
+class _Progress:
+    """A tqdm bar when shown (a widget in Jupyter, stderr in a shell), else nothing."""
+
+    def __init__(self, total: int | None, show: bool) -> None:
+        self.bar = None
+        if show:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="req", desc="load", dynamic_ncols=True)
+
+    def set(self, n: int) -> None:
+        if self.bar is not None and n > self.bar.n:
+            self.bar.update(n - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
