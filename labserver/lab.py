@@ -24,12 +24,14 @@ import logging
 import math
 import os
 import time
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from . import analysis, theory
 from .arrivals import WORDS, PayloadLike, WordTexts
@@ -88,12 +90,14 @@ def setup_notebook() -> None:
     """Quieten what would clutter a notebook's saved outputs; call once, first.
 
     Turns off Hugging Face download/loading progress bars (only for libraries not
-    yet imported, which is why this goes first) and keeps the load generator's
-    per-run warnings off stderr: they stay on each result (``Runs.warnings``) and in
-    the ``late_frac`` column of the summaries, where a notebook shows them.
+    yet imported, which is why this goes first), tqdm's complaint that a kernel
+    without ipywidgets cannot draw widget bars, and the load generator's per-run
+    warnings on stderr: those stay on each result (``Runs.warnings``) and in the
+    ``late_frac`` column of the summaries, where a notebook shows them.
     """
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", message="IProgress not found")
     logging.getLogger("labserver.loadgen").setLevel(logging.ERROR)
 
 
@@ -115,7 +119,8 @@ def device_label(device: str = "auto") -> str:
 
     if dev.startswith("cuda"):
         return f"{dev} ({torch.cuda.get_device_name(torch.device(dev))})"
-    return f"{dev} ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"{dev} ({threads} thread{'' if threads == 1 else 's'})"
 
 
 # ---------------------------------------------------------------- loading servers
@@ -227,6 +232,7 @@ def serve_and_load(
     duration_s: float,
     warmup_s: float = 0.0,
     payload: PayloadLike = "hello world",
+    arrival: str = "poisson",
     warm_requests: int = 10,
     load_options: Mapping[str, Any] | None = None,
     **knobs: Any,
@@ -238,7 +244,8 @@ def serve_and_load(
     added to ``knobs`` for that server only, e.g.
     ``{"deadline, 5 ms": {"strategy": "deadline", "max_wait_ms": 5}}``. ``model``
     is a spec or, better, an object from ``labserver.load_model`` so it loads once
-    for all of them. ``knobs`` go to ``labserver.serve`` (max_batch_size,
+    for all of them. ``arrival`` ("poisson" or "constant") and ``rates`` make each
+    run's schedule (see ``load_rates``); ``knobs`` go to ``labserver.serve`` (max_batch_size,
     max_wait_ms, max_queue, timeout_ms, device, ...); ``load_options`` to the
     load generator.
     """
@@ -250,7 +257,7 @@ def serve_and_load(
         with serve(strategy, model, **options) as handle:
             warm_up(handle.url, warm_requests, payload)
             parts.append(load_rates(handle, rates, label=label, duration_s=duration_s, warmup_s=warmup_s,
-                                    payload=payload, **dict(load_options or {})))
+                                    payload=payload, arrival=arrival, **dict(load_options or {})))
     return Runs.concat(parts)
 
 
@@ -354,31 +361,35 @@ def theory_vs_measured(
     label: str = "measured",
     color: str | None = None,
     percentiles: bool = True,
+    measured: bool = True,
 ) -> Any:
     """Measured mean latency per offered rate (dots) over the Pollaczek–Khinchine mean (line).
 
     ``summary`` is a ``summarize_runs`` frame with ``rate``; the line is the M/G/1
     mean time in system for ``service_ms`` and ``cv2`` (0: M/D/1), drawn up to just
     short of capacity (the dotted vertical line, 1000 / service_ms req/s). With
-    ``percentiles`` the runs' p50–p99 range is drawn as a bar behind each dot.
+    ``percentiles`` the runs' p50–p99 range is drawn as a bar behind each dot;
+    ``measured=False`` draws the prediction only (a second curve over the same dots).
     """
     ax = _axes(ax)
+    right = ax.get_xlim()[1] if ax.has_data() else 0.0  # a second call only widens the view
     rows = summary.sort_values("rate")
     capacity = theory.capacity_rps(service_ms)
     top = max(float(rows["rate"].max()), 0.0)
     grid = np.linspace(0.0, min(capacity * 0.985, max(top * 1.1, capacity * 0.9)), 200)
-    name = "M/D/1" if cv2 == 0 else f"M/G/1, cv²={cv2:.2g}"
+    name = "M/D/1" if cv2 == 0 else f"M/G/1 (cv²={cv2:.2g})"
     line = ax.plot(grid, theory.mg1_mean_response_ms(grid, service_ms, cv2), color=color,
-                   label=f"{name} mean, D={service_ms:.3g} ms")[0]
+                   linestyle="-" if measured else "--", label=f"{name} mean, D={service_ms:.3g} ms")[0]
     color = line.get_color()
-    if percentiles:
+    if measured and percentiles:
         ax.vlines(rows["rate"], rows["p50_ms"], rows["p99_ms"], color=color, alpha=0.3, linewidth=6,
                   label=f"{label} p50–p99")
-    ax.plot(rows["rate"], rows["mean_ms"], "o", color=color, markeredgecolor="black", label=f"{label} mean")
+    if measured:
+        ax.plot(rows["rate"], rows["mean_ms"], "o", color=color, markeredgecolor="black", label=f"{label} mean")
     ax.axvline(capacity, color="0.4", linestyle=":", linewidth=1)
     ax.annotate(f"capacity {capacity:.3g}/s", (capacity, 0.98), xycoords=("data", "axes fraction"),
                 ha="right", va="top", rotation=90, fontsize="small", color="0.35")
-    ax.set_xlim(0, max(capacity, top) * 1.05)
+    ax.set_xlim(0, max(right, max(capacity, top) * 1.05))
     ax.set_ylim(bottom=0)
     ax.set_xlabel("offered load (requests/s)")
     ax.set_ylabel("latency from scheduled send (ms)")
@@ -413,6 +424,10 @@ def latency_over_time(records: pd.DataFrame, ax: Any = None, *, logy: bool = Fal
                     label=f"{name} ({len(part)})")
     if logy:
         ax.set_yscale("log")
+        # 1-2-5 ticks in plain numbers (not 3×10²), whatever the range
+        ax.yaxis.set_major_locator(LogLocator(base=10.0, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
     else:
         ax.set_ylim(bottom=0)
     ax.set_xlabel("scheduled send (s from start)")
@@ -420,5 +435,5 @@ def latency_over_time(records: pd.DataFrame, ax: Any = None, *, logy: bool = Fal
     ax.grid(True, alpha=0.3)
     if title:
         ax.set_title(title)
-    ax.legend(fontsize="small", loc="upper left", markerscale=3)
+    ax.legend(fontsize="small", loc="best", markerscale=3)
     return ax

@@ -239,10 +239,10 @@ def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
         for w in range(n_proc):
             share = len(range(w, spec.max_requests, n_proc)) if spec.max_requests is not None else None
             plans.append(Plan(worker=w, index=np.empty(0, int), scheduled_s=np.empty(0),
-                               texts=texts[w::n_proc], users=len(range(w, spec.users, n_proc)),
-                               think_s=spec.think_s, duration_s=spec.duration_s or math.inf,
-                               max_requests=share, payload=None if texts else spec.payload,
-                               max_in_flight=spec.users, **base))
+                              texts=texts[w::n_proc], users=len(range(w, spec.users, n_proc)),
+                              think_s=spec.think_s, duration_s=spec.duration_s or math.inf,
+                              max_requests=share, payload=None if texts else spec.payload,
+                              max_in_flight=spec.users, **base))
         arrival = None
     else:
         arrival = make_arrival(spec.arrival or "poisson", spec.rate_per_s)
@@ -251,8 +251,8 @@ def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
         index = np.arange(len(times))
         for w in range(n_proc):  # round-robin keeps every process's share evenly spread in time
             plans.append(Plan(worker=w, index=index[w::n_proc], scheduled_s=times[w::n_proc],
-                               texts=texts[w::n_proc], max_in_flight=-(-spec.max_in_flight // n_proc),
-                               **base))
+                              texts=texts[w::n_proc], max_in_flight=-(-spec.max_in_flight // n_proc),
+                              **base))
     if spec.probe_interval_s:
         plans[0].probe_url, plans[0].probe_interval_s = spec.probe_url(), spec.probe_interval_s
     return [p for p in plans if p.users or len(p.scheduled_s) or p.probe_url], arrival
@@ -265,8 +265,6 @@ def _picklable(obj: Any) -> bool:
         return False
     return True
 
-
-# --- one generator: runs on whatever loop it is given ------------------------------------
 
 # --- records, checks, small helpers ------------------------------------------------------
 
@@ -348,8 +346,12 @@ def _quantile(values: pd.Series, q: float) -> float:
 
 
 def _plain(value: Any) -> Any:
-    """Keep JSON-friendly settings as they are; name the rest (a generator, an Arrival)."""
-    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+    """Keep JSON-friendly settings as they are; describe the rest (a generator, an Arrival,
+    a list of payloads) in a line."""
+    if isinstance(value, (int, float, bool, type(None))):
+        return value
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _rate(times_s: pd.Series) -> float:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import selectors
 import socket
 import threading
 import time
@@ -125,17 +126,24 @@ def stall_at(index: int, stall_s: float, n: int = 200) -> list[str]:
     return ["x"] * index + [f"stall:{stall_s}"] + ["x"] * n
 
 
+def assert_record_shape(records: pd.DataFrame) -> None:
+    assert list(records.columns) == list(RECORD_COLUMNS)
+    for col, dtype in RECORD_COLUMNS.items():  # pandas < 3 keeps text in object columns
+        assert str(records[col].dtype) in (("str", "object") if dtype == "str" else (dtype,)), col
+
+
 def fell_behind(result: LoadResult) -> bool:
     return any("fell behind" in w for w in result.warnings)
 
 
 # --- records ---------------------------------------------------------------------------
 
-def test_server_headers_become_columns_and_missing_ones_are_nan(stub):
-    with_headers = run_load_sync(stub.url, arrival="constant", rate_per_s=200, max_requests=10, **FAST)
+@pytest.mark.parametrize("client", ["raw", "httpx"])
+def test_server_headers_become_columns_and_missing_ones_are_nan(stub, client):
+    with_headers = run_load_sync(stub.url, arrival="constant", rate_per_s=200, max_requests=10,
+                                 client=client, **FAST)
     r = with_headers.records
-    assert list(r.columns) == list(RECORD_COLUMNS)
-    assert r.dtypes.astype(str).to_dict() == RECORD_COLUMNS
+    assert_record_shape(r)
     assert (r["status"] == 200).all() and (r["error"] == "").all()
     assert (r["queue_ms"] == 1.5).all() and (r["compute_ms"] == 2.25).all()
     assert (r["server_ms"] == 3.75).all() and (r["batch_size"] == 4).all()
@@ -144,11 +152,11 @@ def test_server_headers_become_columns_and_missing_ones_are_nan(stub):
     assert (r["request_id"] == "req-" + r["batch_id"].astype(str)).all()
 
     bare = run_load_sync(stub.url, path="/bare", arrival="constant", rate_per_s=200, max_requests=5,
-                         **FAST).records
+                         client=client, **FAST).records
     assert (bare["status"] == 200).all()
     for col in ("queue_ms", "compute_ms", "server_ms", "batch_size", "batch_id", "dispatch", "request_id"):
         assert bare[col].isna().all(), col
-    assert bare.dtypes.astype(str).to_dict() == RECORD_COLUMNS
+    assert_record_shape(bare)
 
 
 def test_json_mode_posts_inputs_to_predict(stub):
@@ -229,7 +237,9 @@ def test_warmup_rows_are_kept_flagged_and_left_out_of_summaries(stub):
     assert summary["requests"] == 30 and summary["warmup_requests"] == 20
     assert r.loc[r["warmup"], "latency_ms"].max() >= 90
     assert summary["latency_ms_max"] < 60
-    assert not fell_behind(result)  # late warm-up sends do not count
+    # the sends held back during warm-up do not count towards the generator's lateness
+    assert (r.loc[r["warmup"], "late_ms"] > 50).sum() >= 5
+    assert result.meta["late_ms_max"] < 50
 
 
 def test_warns_when_an_inline_server_stalls_a_generator_on_its_loop(caplog):
@@ -272,21 +282,23 @@ def test_process_mode_is_immune_to_an_inline_stall_and_matches_in_process_record
 
 
 def bare_timer_late_fraction(rate_per_s: float = 100, duration_s: float = 1.5) -> float:
-    """How often this machine wakes a bare timer loop (no HTTP) more than 1 ms late."""
+    """How often this machine wakes a bare timer loop (no HTTP; select() and a 1 ms spin,
+    as a generator process waits) more than 1 ms late."""
 
     async def ticks() -> float:
         t0, late = time.perf_counter(), 0
         n = int(rate_per_s * duration_s)
         for k in range(n):
             target = t0 + k / rate_per_s
-            if (delay := target - time.perf_counter() - 0.002) > 0:
+            if (delay := target - time.perf_counter() - 0.001) > 0:
                 await asyncio.sleep(delay)
             while time.perf_counter() < target:
                 await asyncio.sleep(0)
             late += time.perf_counter() - target > 1e-3
         return late / n
 
-    return asyncio.run(ticks())
+    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selectors.SelectSelector())) as runner:
+        return runner.run(ticks())
 
 
 def test_no_late_warning_at_a_modest_rate(stub):
@@ -319,9 +331,10 @@ def test_overflow_is_recorded_not_queued(stub):
 
 # --- errors and ends ---------------------------------------------------------------------
 
-def test_failures_get_short_error_kinds(stub):
+@pytest.mark.parametrize("client", ["raw", "httpx"])
+def test_failures_get_short_error_kinds(stub, client):
     timeouts = run_load_sync(stub.url + "/slow?s=2", arrival="constant", rate_per_s=100, max_requests=2,
-                             timeout_s=0.2, **FAST).records
+                             timeout_s=0.2, client=client, **FAST).records
     assert timeouts["error"].tolist() == ["timeout"] * 2 and (timeouts["status"] == 0).all()
     assert timeouts["send_latency_ms"].between(150, 1500).all()
 
@@ -329,11 +342,11 @@ def test_failures_get_short_error_kinds(stub):
     port = closed.getsockname()[1]
     closed.close()  # nothing listens there now
     refused = run_load_sync(f"http://127.0.0.1:{port}", arrival="constant", rate_per_s=100,
-                            max_requests=2, **FAST).records
+                            max_requests=2, client=client, **FAST).records
     assert refused["error"].tolist() == ["connect"] * 2
 
     cut = run_load_sync(stub.url + "/slow?s=5", arrival="constant", rate_per_s=100, max_requests=3,
-                        drain_s=0.1, **FAST)
+                        drain_s=0.1, client=client, **FAST)
     assert cut.records["error"].tolist() == ["cancelled"] * 3
     assert cut.meta["elapsed_s"] < 3
     assert any("cancelled" in w for w in cut.warnings)
