@@ -17,14 +17,13 @@ import argparse
 import socket
 import subprocess
 import sys
-import time
 
 MODES = {
     "in-process": dict(process=False),
     "processes=1": dict(process=True, processes=1),
     "processes=2": dict(process=True, processes=2),
 }
-LADDER = [250, 500, 700, 1000, 1400, 2000, 2800, 4000, 5600, 8000]
+LADDER = [250, 500, 700, 1000, 1400, 2000, 2800, 4000, 5600, 8000, 11000, 16000]
 
 
 def serve(port_out) -> None:
@@ -95,7 +94,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
-    parser.add_argument("--rates", default=",".join(map(str, LADDER)), type=lambda s: [float(x) for x in s.split(",")])
+    parser.add_argument("--rates", default=",".join(map(str, LADDER)),
+                        type=lambda s: [float(x) for x in s.split(",")], help="ladder of rates/s")
     parser.add_argument("--duration", type=float, default=3.0, help="measured seconds per trial")
     parser.add_argument("--trials", type=int, default=2, help="attempts per rate (best counts)")
     parser.add_argument("--bisect", type=int, default=3, help="refinement steps past the ladder")
@@ -107,8 +107,7 @@ def main() -> None:
 
     server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
     try:
-        url = f"http://127.0.0.1:{int(server.stdout.readline())}"
-        time.sleep(0.5)  # the port is listening already; let uvicorn finish importing
+        url = f"http://127.0.0.1:{int(server.stdout.readline())}"  # listening: connections queue
         print(f"{'mode':12} {'rate/s':>7} {'sent/s':>9} {'late':>7} {'late p99':>8} {'p50 ms':>7} "
               f"{'p99 ms':>8} {'errors':>6}  verdict")
         found = {mode: ceiling(url, args, mode) for mode in args.modes.split(",")}

@@ -68,6 +68,9 @@ class _RateSchedule(Arrival):
         if t[0] != 0 or np.any(np.diff(t) < 0) or np.any(r < 0) or not np.all(np.isfinite(r)):
             raise ValueError(f"{self!r}: rates must be finite and >= 0, knots sorted from t=0")
         cum = np.concatenate([[0.0], np.cumsum(np.diff(t) * (r[:-1] + r[1:]) / 2)])
+        # Rounded so that an integer u at a segment's end (the 100th arrival of 100/s for
+        # 1 s) falls past it, as in exact arithmetic, and not just inside by a rounding error.
+        cum = np.round(cum, 9)
         return t, r, cum, period
 
     def _invert(self, u: np.ndarray) -> np.ndarray:

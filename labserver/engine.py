@@ -158,7 +158,7 @@ def _wake(fut: asyncio.Future[bool]) -> None:
         fut.set_result(False)
 
 
-async def _let_loop_run(turns: int = 4) -> None:
+async def _let_loop_run(turns: int = 16) -> None:
     """Give the event loop some turns between two model calls made on it.
 
     ``queue.get`` returns at once while items are queued, and an inline model call

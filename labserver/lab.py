@@ -46,6 +46,7 @@ __all__ = [
     "device_label",
     "gpu_available",
     "lag_in_run_clock",
+    "lag_sawtooth",
     "latency_over_time",
     "load_rates",
     "masked_texts",
@@ -183,6 +184,20 @@ def lag_in_run_clock(handle: ServerHandle, result: LoadResult) -> pd.DataFrame:
     rows = [(t + monitor.t0_s + to_unix_s - t0_unix_s, lag) for t, lag in handle.loop_lag()]
     frame = pd.DataFrame(rows, columns=["t_s", "lag_ms"])
     return frame[(frame["t_s"] >= -0.2) & (frame["t_s"] <= end_s)].reset_index(drop=True)
+
+
+def lag_sawtooth(lag: pd.DataFrame, min_ms: float = 1.0) -> pd.DataFrame:
+    """Lag samples with the start of each stall added, for drawing what the loop went through.
+
+    A sample ``(t_s, lag_ms)`` is taken when the loop's timer finally fires: the loop
+    was stuck from ``t_s - lag_ms/1000`` to ``t_s``. Joining the samples with lines
+    would draw back-to-back stalls as one flat plateau; adding a zero at each stall's
+    start draws the sawtooth instead (how late a timer would be at each moment).
+    Stalls under ``min_ms`` are timer noise and get no extra point.
+    """
+    stalls = lag[lag["lag_ms"] > min_ms]
+    starts = stalls.assign(t_s=stalls["t_s"] - stalls["lag_ms"] / 1000, lag_ms=0.0)
+    return pd.concat([lag, starts]).sort_values("t_s", kind="stable").reset_index(drop=True)
 
 
 def warm_up(url: str, n: int = 10, payload: PayloadLike = "warm up") -> None:

@@ -142,8 +142,9 @@ class RawClient:
     async def _request(self, body: bytes) -> tuple[int, Mapping[str, str]]:
         data = self._head + b"content-length: %d\r\n\r\n" % len(body) + body
         for attempt in (0, 1):
-            reused = bool(self._idle)
-            conn = self._idle.pop() if reused else await self._connect()
+            conn = self._idle_connection()
+            reused = conn is not None
+            conn = conn or await self._connect()
             self._busy.add(conn)
             try:
                 status = await conn.send(data)
@@ -164,6 +165,13 @@ class RawClient:
                 conn.transport.close()
             return status, conn.headers
         raise AssertionError("unreachable")
+
+    def _idle_connection(self) -> _Connection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.lost and not conn.transport.is_closing():
+                return conn  # else the server closed it while idle (its keep-alive timeout)
+        return None
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()

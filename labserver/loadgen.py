@@ -7,6 +7,11 @@ whatever the server does; closed loop runs N users that each wait for an answer
 stalled server or a stalled client cannot hide queueing (no coordinated omission),
 and ``send_latency_ms`` is what a naive client would report, kept for comparison.
 
+Entry points: ``await run_load(url, **options)`` in async code and notebooks,
+``run_load_sync(url, **options)`` anywhere else (also inside a running Jupyter
+kernel); the options are the fields of ``LoadSpec``. Arrival processes and payloads
+live in ``labserver.arrivals``, the sending loop in ``labserver.loadworker``.
+
 This module talks HTTP only (``labserver.loadclient``) and reads the server's
 timing headers by name (``labserver.wire``); it can load any URL. By default it
 runs in a separate, spawned process so that a model running inline in the caller
@@ -173,6 +178,8 @@ async def run_load(url: str | LoadSpec, **options: Any) -> LoadResult:
     else:
         total = sum(len(p.scheduled_s) for p in plans)
         expected_s = max((float(p.scheduled_s[-1]) for p in plans if len(p.scheduled_s)), default=0.0)
+    logger.info("load %s: %s requests over %.1f s, %s", spec.target_url(), total or "?", expected_s,
+                f"{spec.users} users" if spec.users else repr(arrival))
     bar = _Progress(total, spec.progress if spec.progress is not None else expected_s >= 10)
     started = datetime.now(timezone.utc)
     t_wall = time.perf_counter()
@@ -313,7 +320,9 @@ def _assess(spec: LoadSpec, arrival: Arrival | None, records: pd.DataFrame) -> t
     meta.update(
         target_url=spec.target_url(), loop="closed" if spec.users else "open",
         arrival=repr(arrival) if arrival else None,
-        nominal_rate_per_s=arrival.mean_rate_per_s(spec.duration_s) if arrival and spec.duration_s else None,
+        # offered load per second (open loop) and users (closed loop), as analysis.summarize reads them
+        target_rate=_target_rate(arrival, spec.duration_s, scheduled_rate) if arrival else None,
+        concurrency=spec.users,
         scheduled_rate_per_s=scheduled_rate, achieved_send_rate_per_s=achieved,
         n_requests=len(records), n_warmup=int(records["warmup"].sum()), n_measured=len(measured),
         n_sent=int(records["sent_s"].notna().sum()), n_overflow=n_overflow, n_cancelled=n_cancelled,
@@ -339,6 +348,12 @@ def _assess(spec: LoadSpec, arrival: Arrival | None, records: pd.DataFrame) -> t
     if n_cancelled:
         warnings.append(f"{n_cancelled} requests were still unanswered at the end and were cancelled.")
     return meta, warnings
+
+
+def _target_rate(arrival: Arrival, duration_s: float | None, scheduled_rate: float) -> float:
+    """The arrival process's mean rate over the run; for replayed times, the schedule's."""
+    nominal = arrival.mean_rate_per_s(duration_s) if duration_s else None
+    return scheduled_rate if nominal is None else nominal
 
 
 def _quantile(values: pd.Series, q: float) -> float:

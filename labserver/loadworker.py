@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 # before a send and yields (busy, but still serving responses) for the rest.
 _SPIN_S = {"asyncio": 0.001, "uvloop": 0.002}
 _SELECT_SPIN_S = 0.001  # select() wakes on time when the machine is idle; this covers a busy one
+_SELECT_MAX_RATE = 1000.0  # requests/s per process; above it uvloop's faster I/O wins (measured)
 _SELECT_FD_LIMIT = 1024  # select() cannot watch descriptors numbered past FD_SETSIZE
 _PROBES_IN_FLIGHT = 64  # outstanding probes allowed; later ones are recorded as overflow
 _RESERVED_FDS = 64  # a spawned worker's own descriptors (pipes, the loop's self-pipe, ...)
@@ -54,19 +55,24 @@ PROBE_FIELDS = ("t_s", "latency_ms", "status", "error")
 _NO_HEADERS = (None,) * len(HEADER_COLUMNS)
 
 
-def run_on_fresh_loop(make_coro, sockets: int | None = None):
+def run_on_fresh_loop(make_coro, sockets: int | None = None, rate_per_s: float = 0.0):
     """Run ``make_coro()`` on a new event loop chosen for sending on time (``loop_factory``)."""
-    with asyncio.Runner(loop_factory=loop_factory(sockets)) as runner:
+    with asyncio.Runner(loop_factory=loop_factory(sockets, rate_per_s)) as runner:
         return runner.run(make_coro())
 
 
-def loop_factory(sockets: int | None = None):
-    """select() when at most ``sockets`` sockets will be open in a process whose file
-    descriptors we know are few (a spawned worker): its timeout has µs resolution, so
-    the busy-wait before each send can be short (``_spin_s``), leaving the cores to the
-    server. Otherwise uvloop: faster at I/O, but its timers are ms-coarse, so ``Worker``
-    busy-waits the last 2 ms before each send."""
-    if sockets is not None and sockets + _RESERVED_FDS < _SELECT_FD_LIMIT:
+def loop_factory(sockets: int | None = None, rate_per_s: float = 0.0):
+    """The event loop for a generator.
+
+    select() when at most ``sockets`` sockets will be open in a process whose file
+    descriptors we know are few (a spawned worker) and the rate is moderate: its timeout
+    has µs resolution, so the busy-wait before each send can be short (``_spin_s``) and
+    the cores stay with the server (a CPU model wants them all). Otherwise uvloop: faster
+    at I/O, but its timers are ms-coarse, so ``Worker`` busy-waits the last 2 ms before
+    each send, which above ~1000 requests/s is a core's worth of spinning either way.
+    """
+    few_fds = sockets is not None and sockets + _RESERVED_FDS < _SELECT_FD_LIMIT
+    if few_fds and rate_per_s <= _SELECT_MAX_RATE:
         return lambda: asyncio.SelectorEventLoop(selectors.SelectSelector())
     try:
         import uvloop  # absent on Windows
@@ -106,12 +112,21 @@ class Plan:
     probe_url: str | None = None
     probe_interval_s: float | None = None
 
+    def mean_gap_s(self) -> float:
+        s = self.scheduled_s
+        return float(s[-1] - s[0]) / (len(s) - 1) if len(s) > 1 else math.inf
+
+    def rate_per_s(self) -> float:
+        return 1.0 / self.mean_gap_s() if self.mean_gap_s() > 0 else math.inf
+
 
 class _Counter:
     value = 0  # same face as multiprocessing's RawValue, for the in-process case
 
 
 class Worker:
+    """Sends one ``Plan`` on the running loop and keeps a row per request."""
+
     def __init__(self, plan: Plan, counter) -> None:
         self.plan, self.counter = plan, counter
         self.rows: list[tuple] = []
@@ -134,9 +149,7 @@ class Worker:
 
     async def run(self, t0: float) -> dict[str, Any]:
         self.t0 = t0
-        s = self.plan.scheduled_s
-        mean_gap_s = (s[-1] - s[0]) / (len(s) - 1) if len(s) > 1 else math.inf
-        self.spin_s = _spin_s(asyncio.get_running_loop(), mean_gap_s)
+        self.spin_s = _spin_s(asyncio.get_running_loop(), self.plan.mean_gap_s())
         client = self._client(self.plan.url, "POST")
         probing = None
         if self.plan.probe_url:
@@ -280,7 +293,7 @@ def _child_main(plan: Plan, counter, inbox, start_at, barrier) -> None:
         barrier.wait(timeout=10)
         t0 = time.perf_counter() + (start_at.value - time.time())
         sockets = plan.max_in_flight + (_PROBES_IN_FLIGHT if plan.probe_url else 0)
-        out = run_on_fresh_loop(lambda: worker.run(t0), sockets=sockets)
+        out = run_on_fresh_loop(lambda: worker.run(t0), sockets=sockets, rate_per_s=plan.rate_per_s())
         inbox.put(("done", plan.worker, out))
     except BaseException:
         inbox.put(("error", plan.worker, traceback.format_exc()))
@@ -301,9 +314,13 @@ async def run_in_processes(plans: list[Plan], on_count: Callable[[int], None]) -
                 kind, w, payload = await asyncio.to_thread(inbox.get, True, 0.25)
             except queue.Empty:
                 on_count(sum(c.value for c in counters))
-                gone = [p.name for plan, p in zip(plans, procs) if plan.worker not in outs and p.exitcode is not None]
+                gone = [f"{p.name} (exit code {p.exitcode})" for plan, p in zip(plans, procs)
+                        if plan.worker not in outs and p.exitcode is not None]
                 if gone and inbox.empty():
-                    raise RuntimeError(f"load generator process(es) {gone} exited without a result")
+                    raise RuntimeError(
+                        f"load generator process(es) {', '.join(gone)} exited without a result. A spawned "
+                        "process re-imports your __main__: a script needs an `if __name__ == '__main__':` "
+                        "guard, and code fed on stdin cannot be re-imported; there, use process=False")
                 continue
             if kind == "error":
                 raise RuntimeError(f"load generator process {w} failed:\n{payload}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -121,6 +122,9 @@ def test_any_step_schedule_is_sorted_bounded_and_silent_at_rate_zero(steps, pois
     segment = np.searchsorted(edges, t, side="right") - 1
     rates = np.array([r for _, r in steps] + [0.0])
     assert (rates[segment] > 0).all()
+    if not poisson and max_requests is None:  # evenly spaced: one arrival per unit of Λ(duration)
+        lam = sum(r * max(0.0, min(b, duration_s) - a) for (_, r), a, b in zip(steps, edges, edges[1:]))
+        assert math.ceil(lam - 1e-6) <= len(t) <= math.ceil(lam + 1e-6)
 
 
 def test_word_texts_are_seeded_and_have_the_asked_length():
@@ -131,7 +135,8 @@ def test_word_texts_are_seeded_and_have_the_asked_length():
     assert lengths.mean() == pytest.approx(30, rel=0.05)
     assert lengths.std() > 5  # varying, not fixed
     assert set(" ".join(a).split()) <= set(WORDS)
-    uniform = [len(s.split()) for s in take_payloads(WordTexts(dist="uniform", min_words=3, max_words=5), 300)]
+    uniform = take_payloads(WordTexts(dist="uniform", min_words=3, max_words=5), 300)
+    uniform = [len(s.split()) for s in uniform]
     assert set(uniform) == {3, 4, 5}
 
 

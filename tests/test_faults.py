@@ -29,7 +29,7 @@ import labserver
 from labserver import launch, wire
 from labserver.config import ServerConfig
 from labserver.engine import Engine, Limits
-from labserver.models import POISON, ModelError, ModelLoadError, minilm_dir
+from labserver.models import POISON, ModelError, ModelLoadError, load_model, minilm_dir
 from labserver.strategies import STRATEGIES, make_strategy
 
 from .fakes import CrashModel
@@ -71,7 +71,7 @@ class StepModel:
 
     def __call__(self, texts: list[str]) -> list[Any]:
         self.calls.put(list(texts))
-        if not self.release.acquire(timeout=30):
+        if not self.release.acquire(timeout=10):
             raise RuntimeError("the test never released this call")
         self.computed.extend(texts)
         return [{"text": t} for t in texts]
@@ -124,6 +124,11 @@ def test_model_load_failure_is_a_clear_503(monkeypatch: pytest.MonkeyPatch, spec
             err = assert_error(c.post(path, content=body), 503, "model_unavailable")
             assert fragment in err["message"]
         assert c.get("/stats").json()["state"] == "failed"  # still serving, not crashed
+
+
+def test_load_model_itself_raises_model_load_error_for_an_unknown_task() -> None:
+    with pytest.raises(ModelLoadError, match="cannot load .*Unknown task no-such-task"):
+        load_model(str(minilm_dir()), task="no-such-task", device="cpu")
 
 
 def test_importing_and_serving_need_no_torch() -> None:

@@ -83,9 +83,10 @@ def listening_socket() -> socket.socket:
     return sock
 
 
-def make_server(app) -> uvicorn.Server:
+def make_server(app, keep_alive_s: float = 5) -> uvicorn.Server:
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", ws="none",
-                            http="httptools", loop="asyncio", timeout_graceful_shutdown=1)
+                            http="httptools", loop="asyncio", timeout_graceful_shutdown=1,
+                            timeout_keep_alive=keep_alive_s)
     return uvicorn.Server(config)
 
 
@@ -108,11 +109,11 @@ def stub():
 
 
 @contextlib.asynccontextmanager
-async def stub_on_this_loop():
+async def stub_on_this_loop(keep_alive_s: float = 5):
     """The stub served by a task on the caller's loop, as a notebook's inline server is."""
     seen: list[dict] = []
     sock = listening_socket()
-    server = make_server(make_app(seen))
+    server = make_server(make_app(seen), keep_alive_s)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         yield Stub(f"http://127.0.0.1:{sock.getsockname()[1]}", seen)
@@ -145,6 +146,7 @@ def test_server_headers_become_columns_and_missing_ones_are_nan(stub, client):
     r = with_headers.records
     assert_record_shape(r)
     assert (r["status"] == 200).all() and (r["error"] == "").all()
+    assert with_headers.meta["target_rate"] == pytest.approx(200)
     assert (r["queue_ms"] == 1.5).all() and (r["compute_ms"] == 2.25).all()
     assert (r["server_ms"] == 3.75).all() and (r["batch_size"] == 4).all()
     assert (r["dispatch"] == "full").all()
@@ -359,10 +361,25 @@ def test_closed_loop_users_keep_their_connections_and_think(stub):
     assert len(r) == 20 and (r["status"] == 200).all()
     assert r["i"].tolist() == list(range(20))
     assert len({s["port"] for s in stub.seen[before:]}) == 2  # keep-alive: one socket per user
-    assert result.meta["loop"] == "closed" and (r["late_ms"] < 50).all()
+    assert result.meta["loop"] == "closed" and result.meta["concurrency"] == 2
+    assert (r["late_ms"] < 50).all()
     # a user's next send is scheduled think_s after its previous answer
     gaps = r["scheduled_s"].sort_values().to_numpy()[2:] - np.sort(r["done_s"].to_numpy())[:-2]
     assert np.median(gaps) == pytest.approx(0.02, abs=0.01)
+
+
+@pytest.mark.parametrize("client", ["raw", "httpx"])
+def test_connections_the_server_closed_while_idle_are_not_reused(client):
+    async def main():
+        async with stub_on_this_loop(keep_alive_s=0.1) as server:  # closes idle sockets after 0.1 s
+            return await run_load(server.url, users=1, think_s=0.3, max_requests=3, client=client,
+                                  timeout_s=5, **FAST), server.seen
+
+    result, seen = asyncio.run(main())
+    r = result.records
+    assert (r["status"] == 200).all() and (r["error"] == "").all()
+    assert (r["send_latency_ms"] < 500).all()  # no request waited for a dead socket
+    assert len({s["port"] for s in seen}) == 3  # each one needed a fresh connection
 
 
 def test_probes_see_a_server_stall_from_the_side(stub):
