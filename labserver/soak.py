@@ -212,8 +212,13 @@ class SoakResult:
         answered = self._by(lambda r: r.status is not None)
         left = self._by(lambda r: r.status is None and not math.isnan(r.left_s))
         stayed = self._by(lambda r: math.isnan(r.left_s))
-        status = lambda code: [r for r in answered if r.status == code]  # noqa: E731
-        lat_ms = lambda rs: sorted((r.done_s - r.scheduled_s) * 1000 for r in rs)  # noqa: E731
+
+        def status(code: int) -> list[Record]:
+            return [r for r in answered if r.status == code]
+
+        def lat_ms(rs: list[Record]) -> list[float]:  # from the scheduled send: no coordinated omission
+            return sorted((r.done_s - r.scheduled_s) * 1000 for r in rs)
+
         ok, rejected = status(200), status(503)
         poisoned = self._by(lambda r: r.poisoned)
         server_total = sum(int(v) for v in self.stats_end["statuses"].values()) - sum(
@@ -251,7 +256,7 @@ class SoakResult:
                 1 for r in stayed if r.status is None or not r.rid_ok),
             "clients that left": len(left),
             "server 499 (left while waiting)": self._server_status(499),
-            "skipped, client gone (server)": self._server("skipped_client_gone"),
+            "dropped unrun: client left or timed out (server)": self._server("skipped_client_gone"),
             "computed after client left (must be 0)": "n/a" if after_left is None else after_left,
             "expired in queue (server)": self._server("expired_in_queue"),
             "computed after deadline (server, must be 0)": self._server("computed_after_deadline"),
