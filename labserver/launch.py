@@ -36,7 +36,10 @@ class PortInUse(OSError):
 
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not the default 0: asyncio and uvloop set TCP_NODELAY on accepted
+    # connections only when the listening socket says TCP. Without it, a reply on a
+    # kept-alive connection can sit ~40 ms behind Nagle and the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT only; a listener still blocks
     try:
         sock.bind((host, port))
