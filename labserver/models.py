@@ -272,7 +272,7 @@ def bert_base_random(device: str = "auto", dtype: str = "auto", seed: int = 0) -
     from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast, pipeline
 
     dev = pick_device(device)
-    tokenizer = BertTokenizerFast(vocab_file=str(minilm_dir() / "vocab.txt"), do_lower_case=True)
+    tokenizer = BertTokenizerFast(vocab=str(minilm_dir() / "vocab.txt"), do_lower_case=True)
     torch.manual_seed(seed)  # the same random weights every time: runs stay comparable
     model = BertForMaskedLM(BertConfig()).to(dtype=pick_dtype(dtype, dev)).eval()
     pipe = pipeline("fill-mask", model=model, tokenizer=tokenizer, device=dev)

@@ -64,6 +64,8 @@ def test_bert_base_random_fill_mask() -> None:
     m = load_model("bert-base-random", device="cpu")
     n_params = sum(p.numel() for p in m.pipe.model.parameters())
     assert 105e6 < n_params < 115e6  # bert-base-uncased size
+    assert m.pipe.tokenizer.vocab_size == 30522  # the full uncased vocabulary, not [UNK] for every word
+    assert m.pipe.tokenizer.tokenize("Hello world") == ["hello", "world"]
     out = m(["test [MASK]", "two [MASK] and [MASK]"])
     assert len(out[0]["predictions"]) == 5 and "meaningless" in out[0]["note"]
     assert len(out[1]["predictions"]) == 2  # one candidate list per mask
