@@ -33,7 +33,8 @@ import multiprocessing
 import random
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -122,16 +123,20 @@ class _Client:
         self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
         self._open: set[asyncio.StreamWriter] = set()
 
-    async def request(self, method: str, path: str, body: bytes = b"",
-                      headers: Mapping[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    async def request(self, method: str, path: str, body: bytes = b"", headers: Mapping[str, str] | None = None,
+                      on_written: Callable[[], None] | None = None) -> tuple[int, dict[str, str], bytes]:
         head = f"{method} {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-length: {len(body)}\r\n"
         head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         data = head.encode("latin-1") + b"\r\n" + body
         for attempt in (0, 1):
-            reused = bool(self._idle)
+            while self._idle and self._idle[-1][0].at_eof():  # the server closed it while idle
+                self._close(self._idle.pop()[1])
+            reused = bool(self._idle) and attempt == 0  # a retry always gets a fresh connection
             reader, writer = self._idle.pop() if reused else await self._connect()
             try:
                 writer.write(data)
+                if on_written is not None:
+                    on_written()
                 raw = await reader.readuntil(b"\r\n\r\n")
             except (asyncio.IncompleteReadError, ConnectionError):
                 self._close(writer)
@@ -271,6 +276,9 @@ class SoakResult:
         """Every promise this run broke, in words; empty when all held."""
         c, cfg = self.counts(), self.config
         out = [f"{k} = {v}" for k, v in c.items() if "must be 0" in k and v not in (0, "n/a")]
+        errors = Counter(r.error.split(":")[0] for r in self.records if r.error)
+        if errors:
+            out.append(f"client errors: {dict(errors)}; first: {next(r.error for r in self.records if r.error)}")
         if c["server outcomes (must = sent)"] != c["requests sent"]:
             out.append(f"server counted {c['server outcomes (must = sent)']} outcomes for "
                        f"{c['requests sent']} requests")
@@ -353,15 +361,23 @@ async def _phase(client: _Client, cfg: SoakConfig, duration_s: float, rng: rando
 
 
 async def _one(client: _Client, r: Record) -> None:
-    r.sent_s = time.monotonic()
+    loop = asyncio.get_running_loop()
     rid = f"soak-{r.i}"
-    call = asyncio.ensure_future(client.request("POST", "/", r.text.encode(), {"x-request-id": rid}))
+
+    def leave() -> None:  # this client gives up: close the socket while the server still works on it
+        if not call.done():
+            r.left_s = time.monotonic()
+            call.cancel()
+
+    def written() -> None:  # a leaver's patience starts once its request is out: the server has it
+        nonlocal timer
+        if r.leave_after_s is not None and timer is None:
+            timer = loop.call_later(r.leave_after_s, leave)
+
+    timer: asyncio.TimerHandle | None = None
+    r.sent_s = time.monotonic()
+    call = asyncio.ensure_future(client.request("POST", "/", r.text.encode(), {"x-request-id": rid}, written))
     try:
-        done, _ = await asyncio.wait({call}, timeout=r.leave_after_s)
-        if not done:  # this client gives up: close the socket while the server still works on it
-            left_s = time.monotonic()
-            if call.cancel():
-                r.left_s = left_s
         status, fields, _ = await call
     except asyncio.CancelledError:
         if math.isnan(r.left_s):
@@ -370,6 +386,9 @@ async def _one(client: _Client, r: Record) -> None:
     except (OSError, asyncio.IncompleteReadError, ValueError) as e:
         r.error = f"{type(e).__name__}: {e}"
         return
+    finally:
+        if timer is not None:
+            timer.cancel()
     r.done_s = time.monotonic()
     r.status = status
     r.rid_ok = fields.get("x-request-id") == rid
