@@ -142,7 +142,9 @@ class RawClient:
     async def _request(self, body: bytes) -> tuple[int, Mapping[str, str]]:
         data = self._head + b"content-length: %d\r\n\r\n" % len(body) + body
         for attempt in (0, 1):
-            conn = self._idle_connection()
+            # The retry always takes a fresh connection: the other idle ones may have hit
+            # the same keep-alive timeout on the server and be just as dead.
+            conn = self._idle_connection() if attempt == 0 else None
             reused = conn is not None
             conn = conn or await self._connect()
             self._busy.add(conn)
