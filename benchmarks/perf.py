@@ -130,13 +130,12 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--duration", type=float, default=10.0, help="measured seconds per load run")
     ap.add_argument("--peers", action="store_true", help="also run LitServe and Ray Serve baselines")
-    ap.add_argument("--best", default="pool", help="the strategy measured as labserver's best (default: %(default)s)")
     ap.add_argument("--out", default=None, help="write every number as JSON here")
     args = ap.parse_args()
     d, dev, model = args.duration, args.device, args.model
     global PAYLOAD
     PAYLOAD = text_for(model)
-    best = dict(strategy=args.best, max_batch_size=64)
+    best = dict(strategy="thread", max_batch_size=64)
     guide = dict(strategy="per-fetch", max_batch_size=None, max_wait_ms=1.0)
     numbers: dict[str, Any] = {"machine": __import__("labserver.experiment").experiment.machine_info(dev)}
     rows = []
@@ -172,7 +171,7 @@ def main() -> int:
 
     if args.peers:
         numbers["best_json"] = with_server(  # same JSON body as the peers get
-            best["strategy"], model, dev, lambda url: closed(url + "/predict", 64, d, mode="json"), max_batch_size=64)
+            "thread", model, dev, lambda url: closed(url + "/predict", 64, d, mode="json"), max_batch_size=64)
         for kind, port in (("litserve", 18931), ("ray", 18932)):
             print(f"peer {kind} ...", file=sys.stderr)
             numbers[kind] = peer(kind, port, 64, d)
@@ -198,7 +197,7 @@ def main() -> int:
     numbers["generator"] = {"rate": target_rate, "achieved": achieved, "late_fraction": late}
     rows.append(row("5 generator: late sends at 2x best capacity", late, "< 1 %", late < 0.01,
                     f"{achieved:.0f}/s sent of {target_rate:.0f}/s scheduled"))
-    wrk, ours = with_server(best["strategy"], model, dev, lambda url: (wrk_rps(url, 64, d), closed(url, 64, d)),
+    wrk, ours = with_server("thread", model, dev, lambda url: (wrk_rps(url, 64, d), closed(url, 64, d)),
                             max_batch_size=64)
     if wrk is None:
         rows.append(row("5 generator: labserver / wrk throughput", None, "within 10 %", None, "wrk not installed"))

