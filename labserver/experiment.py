@@ -26,7 +26,7 @@ import pandas as pd
 from . import analysis, plots
 from .arrivals import WordTexts
 from .launch import ServerHandle, serve
-from .loadgen import LoadResult, run_load_sync
+from .loadgen import RECORD_COLUMNS, LoadResult, run_load_sync
 
 logger = logging.getLogger(__name__)
 
@@ -163,9 +163,9 @@ def write(result: CompareResult, out: Path) -> Path:
 
 def read(out: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
     out = Path(out)
-    records = pd.read_csv(out / "records.csv", keep_default_na=False,
-                          na_values={c: [""] for c in ("queue_ms", "compute_ms", "batch_size", "batch_id",
-                                                       "server_ms", "rate")})
+    # empty cells are missing numbers, but empty strings in text columns (error, dispatch)
+    numeric = [c for c, dtype in RECORD_COLUMNS.items() if dtype != "str"] + ["rate"]
+    records = pd.read_csv(out / "records.csv", keep_default_na=False, na_values={c: [""] for c in numeric})
     lag_path = out / "lag.csv"
     lag = pd.read_csv(lag_path) if lag_path.exists() else pd.DataFrame(columns=["label", "rate", "t_s", "lag_ms"])
     doc = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
