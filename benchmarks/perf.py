@@ -98,7 +98,7 @@ def peer(kind: str, port: int, users: int, duration_s: float) -> dict[str, Any] 
                 time.sleep(1)
         else:
             raise RuntimeError(f"{kind} did not come up")
-        closed(url + "/predict", 8, 1.0, mode="json")
+        closed(url + "/predict", users, 2.0, mode="json")  # warm at full concurrency: peers start lazily
         out: dict[str, Any] = closed(url + "/predict", users, duration_s, mode="json")
         out["memory_mb"] = _tree_rss_mb(proc.pid)
         return out
