@@ -83,7 +83,9 @@ def peer(kind: str, port: int, users: int, duration_s: float) -> dict[str, Any] 
     if not PEERS_PY.exists():
         return None
     script = HERE / "peers" / f"{kind}_server.py"
-    proc = subprocess.Popen([str(PEERS_PY), "-u", str(script), str(port)], stdout=subprocess.PIPE,
+    # its log goes to a file: a pipe nobody reads fills up and freezes a server that logs every request
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"labserver-peer-{kind}.log", "w")
+    proc = subprocess.Popen([str(PEERS_PY), "-u", str(script), str(port)], stdout=log,
                             stderr=subprocess.STDOUT, text=True, cwd=HERE / "peers")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -105,6 +107,7 @@ def peer(kind: str, port: int, users: int, duration_s: float) -> dict[str, Any] 
     finally:
         proc.terminate()
         proc.wait(30)
+        log.close()
         if kind == "ray":
             subprocess.run([str(PEERS_PY.parent / "ray"), "stop", "--force"], capture_output=True)
 

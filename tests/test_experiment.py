@@ -53,3 +53,17 @@ def test_saved_records_read_back_numeric_even_with_failures(tmp_path: Path) -> N
     assert records["error"].tolist() == ["", "client_overflow"]
     experiment.draw(tmp_path)  # draws without tripping over the missing numbers
     assert (tmp_path / "overview.png").exists()
+
+
+def test_bench_cli_runs_one_load_and_saves_it(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "bench.csv"
+    rc = cli.main(["bench", "--strategy", "deadline", "--model", "synthetic:2+0", "--rate", "50", "--duration", "1.5",
+                   "--warmup", "0.5", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "p99_ms" in printed and "throughput_rps" in printed
+    from labserver.loadgen import LoadResult
+
+    result = LoadResult.from_csv(out)
+    assert len(result.records) > 40 and (result.records["status"] == 200).all()
+    assert result.records["dispatch"].isin(["idle", "deadline", "full"]).all()  # the server's headers came back
