@@ -37,6 +37,7 @@ from . import analysis, theory
 from .arrivals import WORDS, PayloadLike, WordTexts
 from .launch import ServerHandle, serve
 from .loadgen import LoadResult, run_load_sync
+from .plots import _axes
 from .virtual import SimRun
 
 __all__ = [
@@ -357,14 +358,6 @@ def sim_frames(runs: Mapping[str, SimRun], arrivals_s: Sequence[float]) -> tuple
 
 
 # ---------------------------------------------------------------- two notebook pictures
-
-
-def _axes(ax: Any) -> Any:
-    if ax is None:
-        import matplotlib.pyplot as plt
-
-        _, ax = plt.subplots(layout="constrained")
-    return ax
 
 
 def theory_vs_measured(
