@@ -2,8 +2,11 @@
 
 ``simulate(strategy, arrivals_s, service_ms)`` feeds scripted arrival times to the
 strategy's own ``collect`` and charges ``service_ms(batch_size)`` of virtual time
-per batch, exactly as a single worker would. It is what the strategy tests use,
-and a notebook can use it to show a rule's behaviour before measuring it for real.
+per batch, exactly as a single worker would. ``simulate_closed(strategy, users,
+service_ms, return_ms)`` is the closed loop instead: every answered client sends
+again ``return_ms(k)`` after its batch ends (k: its place in the batch, as replies
+go out one after another). They are what the strategy tests use, and a notebook
+can use them to show a rule's behaviour before measuring it for real.
 
 >>> from labserver.strategies import make_strategy
 >>> from labserver.engine import Limits
@@ -17,6 +20,7 @@ and a notebook can use it to show a rule's behaviour before measuring it for rea
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -44,7 +48,7 @@ class VirtualQueue:
     def __init__(self, arrivals_s: Iterable[float]) -> None:
         self.now_s = 0.0
         self._future: Any = _NeverDone()
-        self._pending = deque(sorted(arrivals_s))
+        self._pending = sorted(arrivals_s)  # a heap: closed loops add arrivals as they go
         self._queued: deque[Item] = deque()
         self._n = 0
 
@@ -53,9 +57,13 @@ class VirtualQueue:
 
     def _admit(self) -> None:
         while self._pending and self._pending[0] <= self.now_s:
-            t = self._pending.popleft()
+            t = heapq.heappop(self._pending)
             self._queued.append(Item(f"#{self._n}", self._future, enqueued_s=t))
             self._n += 1
+
+    def add(self, t_s: float) -> None:
+        """One more arrival at virtual time t_s (a closed-loop client coming back)."""
+        heapq.heappush(self._pending, t_s)
 
     def empty(self) -> bool:
         self._admit()
@@ -90,11 +98,35 @@ def simulate(
     strategy: Strategy, arrivals_s: Iterable[float], service_ms: Callable[[int], float]
 ) -> SimRun:
     """Every batch the strategy would form for these arrivals, on one worker."""
+    return _run(strategy, VirtualQueue(arrivals_s), service_ms, lambda q, start, n: None, math.inf)
 
+
+def simulate_closed(
+    strategy: Strategy,
+    users: int,
+    service_ms: Callable[[int], float],
+    return_ms: Callable[[int], float] = lambda k: 0.2,
+    duration_s: float = 10.0,
+) -> SimRun:
+    """``users`` clients in a closed loop for ``duration_s`` of virtual time, all sending at 0.
+
+    The k-th answer of a batch reaches its client, who sends again, ``return_ms(k)``
+    after the batch ends: ``lambda k: 0.2 + 0.15 * k`` is a server writing one reply
+    every 0.15 ms, so a batch of 64 comes back over ~10 ms.
+    """
+
+    def answered(q: VirtualQueue, end_s: float, n: int) -> None:
+        for k in range(n):
+            q.add(end_s + return_ms(k) / 1000)
+
+    return _run(strategy, VirtualQueue([0.0] * users), service_ms, answered, duration_s)
+
+
+def _run(strategy: Strategy, q: VirtualQueue, service_ms: Callable[[int], float],
+         answered: Callable[[VirtualQueue, float, int], None], duration_s: float) -> SimRun:
     async def main() -> SimRun:
-        q = VirtualQueue(arrivals_s)
         run = SimRun()
-        while True:
+        while q.now_s < duration_s:
             try:
                 items, reason = await strategy.collect(q, q.clock)
             except EndOfArrivals:
@@ -107,6 +139,8 @@ def simulate(
                 BatchRecord(len(run.batches) + 1, len(items), reason, start, sum(waits) / len(waits) * 1000, cost)
             )
             run.latencies_ms.extend((q.now_s - i.enqueued_s) * 1000 for i in items)
+            answered(q, q.now_s, len(items))
+        return run
 
     # Nothing in the virtual queue ever suspends, so the coroutine runs to its end on the
     # first send: no event loop needed, which also makes this safe inside a Jupyter kernel.
