@@ -33,6 +33,7 @@ class ServerConfig:
     debug: bool = False  # tracebacks in error responses: never on a shared server
     drain_grace_s: float = 10.0  # on shutdown, time to finish queued work before answering 503
     lag_interval_ms: float = 10.0  # event-loop lag probe period, ms
+    freeze_gc: bool = True  # gc.freeze() once loaded: no full-collection pauses walking the model (process-wide)
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
