@@ -30,7 +30,7 @@ from .loadgen import RECORD_COLUMNS, LoadResult, run_load_sync
 
 logger = logging.getLogger(__name__)
 
-ALL_STRATEGIES = ("naive", "per-fetch", "deadline", "thread")
+ALL_STRATEGIES = ("naive", "per-fetch", "deadline", "thread", "adaptive")
 
 
 @dataclass

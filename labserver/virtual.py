@@ -3,9 +3,8 @@
 ``simulate(strategy, arrivals_s, service_ms)`` feeds scripted arrival times to the
 strategy's own ``collect`` and charges ``service_ms(batch_size)`` of virtual time
 per batch, exactly as a single worker would. ``simulate_closed(strategy, users,
-service_ms, return_ms)`` is the closed loop instead: every answered client sends
-again ``return_ms(k)`` after its batch ends (k: its place in the batch, as replies
-go out one after another). They are what the strategy tests use, and a notebook
+service_ms, reply_ms)`` is the closed loop instead: every answered client sends
+again as soon as its reply arrives, and replies go out one after another. They are what the strategy tests use, and a notebook
 can use them to show a rule's behaviour before measuring it for real.
 
 >>> from labserver.strategies import make_strategy
@@ -105,19 +104,20 @@ def simulate_closed(
     strategy: Strategy,
     users: int,
     service_ms: Callable[[int], float],
-    return_ms: Callable[[int], float] = lambda k: 0.2,
+    reply_ms: float = 0.0,
+    rtt_ms: float = 0.2,
     duration_s: float = 10.0,
 ) -> SimRun:
     """``users`` clients in a closed loop for ``duration_s`` of virtual time, all sending at 0.
 
-    The k-th answer of a batch reaches its client, who sends again, ``return_ms(k)``
-    after the batch ends: ``lambda k: 0.2 + 0.15 * k`` is a server writing one reply
-    every 0.15 ms, so a batch of 64 comes back over ~10 ms.
+    The k-th answer of a batch (k = 0, 1, ...) is back at the server as its client's next
+    request ``rtt_ms + k * reply_ms`` after the batch ends: ``reply_ms=0.15`` is a server
+    writing one reply every 0.15 ms, so a batch of 64 comes back over ~10 ms.
     """
 
     def answered(q: VirtualQueue, end_s: float, n: int) -> None:
         for k in range(n):
-            q.add(end_s + return_ms(k) / 1000)
+            q.add(end_s + (rtt_ms + k * reply_ms) / 1000)
 
     return _run(strategy, VirtualQueue([0.0] * users), service_ms, answered, duration_s)
 

@@ -140,19 +140,15 @@ def test_a_fifth_strategy_is_one_registered_class() -> None:
 
 # -- adaptive: the closed loop -------------------------------------------------------------
 # Costs shaped like the embedded model on 2 cores (6 ms for one item, ~115 ms for 64) and
-# a server writing one reply every 0.15 ms: a batch of 64 comes back over ~10 ms.
+# a server writing one reply every 0.15 ms (reply_ms): a batch of 64 comes back over ~10 ms.
 def minilm_ms(n: int) -> float:
     return 4.3 + 1.75 * n
 
 
-def replies(k: int) -> float:
-    return 0.2 + 0.15 * k
-
-
 def test_idle_dispatch_splits_a_closed_loop_and_adaptive_does_not() -> None:
     limits = Limits(max_batch_size=64, max_wait_ms=1)
-    thread = simulate_closed(make_strategy("thread", limits), 64, minilm_ms, replies, duration_s=5)
-    adaptive = simulate_closed(make_strategy("adaptive", limits), 64, minilm_ms, replies, duration_s=5)
+    thread = simulate_closed(make_strategy("thread", limits), 64, minilm_ms, reply_ms=0.15, duration_s=5)
+    adaptive = simulate_closed(make_strategy("adaptive", limits), 64, minilm_ms, reply_ms=0.15, duration_s=5)
     # thread: the first returning clients find the model idle and leave early, the rest a batch later
     assert max(thread.sizes[5:]) < 64 and min(thread.sizes[5:]) <= 32
     # adaptive: after the first round every batch is the full 64
@@ -173,7 +169,7 @@ def test_adaptive_repairs_a_split() -> None:
 
 def test_adaptive_with_one_client_never_waits() -> None:
     run = simulate_closed(make_strategy("adaptive", Limits(max_batch_size=64, max_wait_ms=5)), 1,
-                          minilm_ms, replies, duration_s=1)
+                          minilm_ms, reply_ms=0.15, duration_s=1)
     assert set(run.sizes) == {1}
     assert max(b.queue_wait_ms for b in run.batches) == 0  # dispatched as it arrived
 
