@@ -83,6 +83,7 @@ def build_server(config: ServerConfig, model: Model | None = None, signals: bool
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=config.drain_grace_s + 5,
+        proxy_headers=False,  # nothing here reads the client's address: skip X-Forwarded-* on every request
         # uvicorn's own 'auto' picks uvloop and httptools when installed
     )
     return _Server(uv, app.state.runtime, signals)

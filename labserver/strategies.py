@@ -160,7 +160,8 @@ class Adaptive(Thread):
     every active client). While fewer are queued and they keep arriving (no gap longer
     than ``max_wait_ms``, the guide's per-fetch timeout) it keeps collecting, up to the
     cap and at most ``hold_ms`` after the model became free. With one client the last
-    batch had one item and nothing was queued, so nothing waits.
+    batch had one item and nothing was queued, so nothing waits. With ``idle_dispatch``
+    off it expects nobody: a batch leaves full, at a gap, or at ``hold_ms``.
     """
 
     name = "adaptive"
@@ -186,7 +187,7 @@ class Adaptive(Thread):
         due_s = clock() + self.hold_ms / 1000
         reason = "full"
         while len(batch) < cap:
-            if queue.empty() and len(batch) >= expected:
+            if self.limits.idle_dispatch and queue.empty() and len(batch) >= expected:
                 reason = "idle"
                 break
             remaining_s = due_s - clock()
