@@ -186,3 +186,14 @@ def test_adaptive_stops_at_a_gap_and_at_its_deadline() -> None:
     run = simulate(s, ms(*(0.9 * i for i in range(100))), minilm_ms)
     assert run.batches[0].reason == "deadline"
     assert run.batches[0].dispatched_s == pytest.approx(s.hold_ms / 1000, abs=0.001)
+
+
+def test_adaptive_treats_a_busy_queue_as_open_traffic() -> None:
+    """Plenty queued while the last batch ran: arrivals do not wait for answers, so no waiting."""
+    s = make_strategy("adaptive", Limits(max_batch_size=64, max_wait_ms=1))
+    s.last = 8
+    run = simulate(s, [0.0] * 8 + ms(0.5, 0.9), minilm_ms)  # 8 already queued, two more coming
+    assert (run.batches[0].size, run.batches[0].reason, run.batches[0].dispatched_s) == (8, "idle", 0.0)
+    s.last = 8
+    run = simulate(s, [0.0] * 3 + ms(0.5, 0.9), minilm_ms)  # 3 of 8: the rest are expected back
+    assert (run.batches[0].size, run.batches[0].reason) == (5, "gap")
