@@ -188,12 +188,17 @@ def test_adaptive_stops_at_a_gap_and_at_its_deadline() -> None:
     assert run.batches[0].dispatched_s == pytest.approx(s.hold_ms / 1000, abs=0.001)
 
 
-def test_adaptive_treats_a_busy_queue_as_open_traffic() -> None:
-    """Plenty queued while the last batch ran: arrivals do not wait for answers, so no waiting."""
+def test_adaptive_repairs_a_split_from_either_side() -> None:
+    """After the small batch of a split, the big group is queued: it still waits for the small one."""
     s = make_strategy("adaptive", Limits(max_batch_size=64, max_wait_ms=1))
-    s.last = 8
-    run = simulate(s, [0.0] * 8 + ms(0.5, 0.9), minilm_ms)  # 8 already queued, two more coming
-    assert (run.batches[0].size, run.batches[0].reason, run.batches[0].dispatched_s) == (8, "idle", 0.0)
-    s.last = 8
-    run = simulate(s, [0.0] * 3 + ms(0.5, 0.9), minilm_ms)  # 3 of 8: the rest are expected back
-    assert (run.batches[0].size, run.batches[0].reason) == (5, "gap")
+    s.last = 10  # the small batch just ended; the 54 of the big one came back while it ran
+    run = simulate(s, [0.0] * 54 + ms(*(0.3 + 0.2 * k for k in range(10))), minilm_ms)
+    assert (run.batches[0].size, run.batches[0].reason) == (64, "full")
+
+
+def test_adaptive_costs_open_traffic_at_most_a_gap() -> None:
+    s = make_strategy("adaptive", Limits(max_batch_size=64, max_wait_ms=1))
+    s.last = 8  # 8 queued while the last 8 ran (open traffic): 16 expected, 2 more come, then a gap
+    run = simulate(s, [0.0] * 8 + ms(0.5, 0.9), minilm_ms)
+    assert (run.batches[0].size, run.batches[0].reason) == (10, "gap")
+    assert run.batches[0].dispatched_s == pytest.approx(0.0019)  # 1 ms after the last arrival
