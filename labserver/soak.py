@@ -382,7 +382,7 @@ def run(config: SoakConfig, start_timeout_s: float = 60.0) -> SoakResult:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m labserver.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=60.0, help="measured seconds per strategy")
-    p.add_argument("--strategies", default="naive,per-fetch,deadline,thread")
+    p.add_argument("--strategies", default="naive,per-fetch,deadline,thread,adaptive")
     p.add_argument("--model-ms", default="20+2", help="synthetic cost BASE+PER_ITEM in ms (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--timeout-ms", type=float, default=1000.0)

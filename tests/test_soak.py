@@ -1,6 +1,6 @@
 """The soak: a server kept at twice its capacity, with poison and leavers, every promise counted.
 
-The normal test run soaks three strategies for a few seconds each, in a child server
+The normal test run soaks four strategies for a few seconds each, in a child server
 process per strategy (``labserver.soak.run``); ``pytest -m slow`` runs the full size,
 a minute per strategy. The checker itself is tested on hand-made results, so a
 promise it stopped checking would show here.
@@ -39,13 +39,13 @@ def assert_promises_kept(result: SoakResult) -> None:
     assert c["computed after deadline (server, must be 0)"] == 0
 
 
-@pytest.mark.parametrize("strategy", ["deadline", "thread", "naive"])
+@pytest.mark.parametrize("strategy", ["deadline", "thread", "naive", "adaptive"])
 def test_soak_reduced(strategy: str) -> None:
     assert_promises_kept(run(SoakConfig(strategy=strategy, **REDUCED)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["naive", "per-fetch", "deadline", "thread"])
+@pytest.mark.parametrize("strategy", ["naive", "per-fetch", "deadline", "thread", "adaptive"])
 def test_soak_full(strategy: str) -> None:
     assert_promises_kept(run(SoakConfig(strategy=strategy, duration_s=60.0)))
 
