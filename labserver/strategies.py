@@ -159,8 +159,8 @@ class Adaptive(Thread):
     carried, plus those already queued when the model became free: in a closed loop,
     every active client, however the last rounds were split. While fewer are queued and
     they keep arriving (no gap longer than ``max_wait_ms``, the guide's per-fetch
-    timeout) it keeps collecting, up to the cap and at most ``hold_ms`` after the model
-    became free. With one client the last batch had one item and nothing was queued, so
+    timeout) it keeps collecting, up to the cap and at most ``hold_ms`` after the batch
+    could first have left (a free model and a first item). With one client the last batch had one item and nothing was queued, so
     nothing waits. Open traffic (arrivals that do not wait for answers) pays at most a
     gap per batch when the expected company does not come. With ``idle_dispatch`` off
     it expects nobody: a batch leaves full, at a gap, or at ``hold_ms``.
@@ -173,7 +173,7 @@ class Adaptive(Thread):
 
     name = "adaptive"
     summary = "thread, but wait (gaps < max_wait_ms, at most hold_ms) for the clients just answered"
-    hold_ms: ClassVar[float] = 50.0  # the one deadline: the longest the free model waits for company
+    hold_ms: ClassVar[float] = 50.0  # the one deadline: the longest a batch that could leave waits for company
 
     def __init__(self, limits: Limits | None = None) -> None:
         super().__init__(limits)
