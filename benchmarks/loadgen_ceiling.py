@@ -46,28 +46,6 @@ def serve(port_out) -> None:
     uvicorn.Server(config).run(sockets=[sock])
 
 
-def noise_floor(rate: float = 200, duration_s: float = 2.0) -> float:
-    """How often a bare timer loop (no HTTP) wakes more than 1 ms late on this machine
-    right now: other processes' load that no generator can beat."""
-    import asyncio
-    import selectors
-    import time
-
-    async def ticks() -> float:
-        t0, n, late = time.perf_counter(), int(rate * duration_s), 0
-        for k in range(n):
-            target = t0 + k / rate
-            if (delay := target - time.perf_counter() - 0.001) > 0:
-                await asyncio.sleep(delay)
-            while time.perf_counter() < target:
-                await asyncio.sleep(0)
-            late += time.perf_counter() - target > 1e-3
-        return late / n
-
-    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selectors.SelectSelector())) as r:
-        return r.run(ticks())
-
-
 def trial(url: str, rate: float, duration_s: float, mode: str, arrival: str) -> dict:
     from labserver.loadgen import run_load_sync
 
@@ -127,15 +105,17 @@ def main() -> None:
         serve(sys.stdout)
         return
 
+    from labserver.loadworker import timer_late_fraction
+
     server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{int(server.stdout.readline())}"  # listening: connections queue
         print(f"{'mode':12} {'rate/s':>7} {'sent/s':>9} {'late':>7} {'late p99':>8} {'p50 ms':>7} "
               f"{'p99 ms':>8} {'errors':>6}  verdict")
-        found, noise = {}, [noise_floor()]
+        found, noise = {}, [timer_late_fraction(200, 2.0)]
         for mode in args.modes.split(","):
             found[mode] = ceiling(url, args, mode)
-            noise.append(noise_floor())
+            noise.append(timer_late_fraction(200, 2.0))
     finally:
         server.terminate()
         server.wait(timeout=10)

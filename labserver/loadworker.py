@@ -62,6 +62,26 @@ def run_on_fresh_loop(make_coro, sockets: int | None = None, rate_per_s: float =
         return runner.run(make_coro())
 
 
+def timer_late_fraction(rate_per_s: float = 100.0, duration_s: float = 1.5) -> float:
+    """How often a bare timer loop (no HTTP; select() and a 1 ms spin, as a generator process
+    waits) wakes more than 1 ms late on this machine right now: the noise no generator beats."""
+
+    async def ticks() -> float:
+        t0, late = time.perf_counter(), 0
+        n = int(rate_per_s * duration_s)
+        for k in range(n):
+            target = t0 + k / rate_per_s
+            if (delay := target - time.perf_counter() - _SELECT_SPIN_S) > 0:
+                await asyncio.sleep(delay)
+            while time.perf_counter() < target:
+                await asyncio.sleep(0)
+            late += time.perf_counter() - target > 1e-3
+        return late / n
+
+    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selectors.SelectSelector())) as runner:
+        return runner.run(ticks())
+
+
 def loop_factory(sockets: int | None = None, rate_per_s: float = 0.0):
     """The event loop for a generator.
 

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import selectors
 import socket
 import threading
 import time
@@ -31,6 +30,7 @@ from labserver import wire
 from labserver.arrivals import WordTexts
 from labserver.loadclient import check_target
 from labserver.loadgen import RECORD_COLUMNS, LoadResult, LoadSpec, run_load, run_load_sync
+from labserver.loadworker import timer_late_fraction
 
 HEADERS = {
     wire.HEADER_QUEUE_MS: "1.5", wire.HEADER_COMPUTE_MS: "2.25", wire.HEADER_BATCH_SIZE: "4",
@@ -283,26 +283,6 @@ def test_process_mode_is_immune_to_an_inline_stall_and_matches_in_process_record
     assert (during["latency_ms"] > 40).all()  # ...but it shows in the latencies
 
 
-def bare_timer_late_fraction(rate_per_s: float = 100, duration_s: float = 1.5) -> float:
-    """How often this machine wakes a bare timer loop (no HTTP; select() and a 1 ms spin,
-    as a generator process waits) more than 1 ms late."""
-
-    async def ticks() -> float:
-        t0, late = time.perf_counter(), 0
-        n = int(rate_per_s * duration_s)
-        for k in range(n):
-            target = t0 + k / rate_per_s
-            if (delay := target - time.perf_counter() - 0.001) > 0:
-                await asyncio.sleep(delay)
-            while time.perf_counter() < target:
-                await asyncio.sleep(0)
-            late += time.perf_counter() - target > 1e-3
-        return late / n
-
-    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selectors.SelectSelector())) as runner:
-        return runner.run(ticks())
-
-
 def test_no_late_warning_at_a_modest_rate(stub):
     # On a shared machine other processes can preempt the generator for a few ms at a time:
     # then the warning is right, and the machine is to blame. So a failing attempt is retried,
@@ -316,7 +296,7 @@ def test_no_late_warning_at_a_modest_rate(stub):
             result.meta["scheduled_rate_per_s"], rel=0.02)
         if not fell_behind(result):
             return
-    if (noise := bare_timer_late_fraction()) > 0.01:
+    if (noise := timer_late_fraction()) > 0.01:
         pytest.skip(f"this machine wakes even a bare timer loop late {noise:.1%} of the time")
     pytest.fail(f"the generator fell behind at 100 requests/s: {result.warnings}")
 
