@@ -77,10 +77,16 @@ def batch_figures(batches: list[dict[str, Any]], offline64: float) -> dict[str, 
     return {"busy": busy, "inflation": inflation, "mean_batch": statistics.mean(b["size"] for b in batches)}
 
 
+def start(cfg: dict[str, Any], model: Any, device: str) -> labserver.ServerHandle:
+    """A server for ``{"strategy": name, **knobs}`` on an already loaded model."""
+    knobs = {k: v for k, v in cfg.items() if k != "strategy"}
+    return labserver.serve(cfg["strategy"], model, device=device, **knobs)
+
+
 PLAN = {"best": (64, 128), "guide": (64,)}  # clients per run, per server
 
 
-def interleaved(model_spec: str, device: str, d: float, n_rounds: int,
+def interleaved(model: Any, device: str, d: float, n_rounds: int,
                 servers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Every labserver measurement, in rounds: offline, then each server of PLAN in turn.
 
@@ -90,15 +96,13 @@ def interleaved(model_spec: str, device: str, d: float, n_rounds: int,
     the machine's drift (other tenants, heat) on every figure alike instead of on
     whichever ran last.
     """
-    model = labserver.load_model(model_spec, device=device)
     rounds = []
     for i in range(n_rounds):
         print(f"round {i + 1}/{n_rounds} ...", file=sys.stderr)
         r: dict[str, Any] = {"offline_bs64": offline_rate(model, 64, max(3.0, d / 2))}
         order = list(servers.items())
         for name, cfg in order if i % 2 == 0 else order[::-1]:  # neither side always runs first
-            knobs = {k: v for k, v in cfg.items() if k != "strategy"}
-            with labserver.serve(cfg["strategy"], model, device=device, **knobs) as h:
+            with start(cfg, model, device) as h:
                 closed(h.url, 8, 1.0, warmup_s=0.5)  # warm the connections and the model's thread
                 for users in PLAN[name]:
                     seen = len(h.batches())
@@ -108,19 +112,17 @@ def interleaved(model_spec: str, device: str, d: float, n_rounds: int,
     return rounds
 
 
-def idle_pairs(model_spec: str, device: str, seconds: float, n_pairs: int,
+def idle_pairs(model: Any, device: str, seconds: float, n_pairs: int,
                servers: dict[str, dict[str, Any]]) -> list[dict[str, float]]:
     """p50 at one client, the servers up side by side and loaded in turn, n_pairs times.
 
     One client's latency (~15 ms here) drifts by more than the 1 ms being judged within a
     minute, so the servers take turns every few seconds and each pair is compared alone.
     """
-    model = labserver.load_model(model_spec, device=device)
     handles = {}
     try:
         for name, cfg in servers.items():
-            knobs = {k: v for k, v in cfg.items() if k != "strategy"}
-            handles[name] = labserver.serve(cfg["strategy"], model, device=device, **knobs)
+            handles[name] = start(cfg, model, device)
             closed(handles[name].url, 1, 1.0, warmup_s=0.5)
         pairs = []
         for i in range(n_pairs):
@@ -132,8 +134,8 @@ def idle_pairs(model_spec: str, device: str, seconds: float, n_pairs: int,
             h.stop()
 
 
-def with_server(strategy: str, model: str, device: str, fn: Any, **knobs: Any) -> Any:
-    with labserver.serve(strategy, model, device=device, **knobs) as h:
+def with_server(cfg: dict[str, Any], model: Any, device: str, fn: Any) -> Any:
+    with start(cfg, model, device) as h:
         closed(h.url, 8, 1.0)  # warm up the model and the connections
         return fn(h.url)
 
@@ -192,10 +194,9 @@ def against_peer(kind: str, port: int, d: float, n_rounds: int, best: dict[str, 
             return None
         url, pid = up
         closed(url, 64, 2.0, mode="json")  # warm at full concurrency: peers start lazily
-        knobs = {k: v for k, v in best.items() if k != "strategy"}
         rounds = []
         for _ in range(n_rounds):
-            with labserver.serve(best["strategy"], model, device=device, **knobs) as h:
+            with start(best, model, device) as h:
                 closed(h.url, 8, 1.0, warmup_s=0.5)
                 mine = closed(h.url + "/predict", 64, d, mode="json", warmup_s=1.0)
             rounds.append({"labserver": mine, kind: closed(url, 64, d, mode="json", warmup_s=1.0)})
@@ -266,8 +267,9 @@ def main() -> int:
     numbers: dict[str, Any] = {"machine": __import__("labserver.experiment").experiment.machine_info(dev)}
     rows = []
 
+    loaded = labserver.load_model(model, device=dev)  # once: every server and the offline figure share it
     servers = {"best": best, "guide": guide}
-    numbers["rounds"] = rounds = interleaved(model, dev, d, args.rounds, servers)
+    numbers["rounds"] = rounds = interleaved(loaded, dev, d, args.rounds, servers)
     med = {key: {m: statistics.median(r[key][m] for r in rounds) for m in rounds[0][key]}
            for key in rounds[0] if key != "offline_bs64"}
     offline64 = statistics.median(r["offline_bs64"] for r in rounds)
@@ -295,7 +297,7 @@ def main() -> int:
                         "CPU run; on a GPU: --device cuda --model bert-base-random"))
 
     print("one client, side by side ...", file=sys.stderr)
-    numbers["idle_pairs"] = pairs = idle_pairs(model, dev, max(2.0, d / 2), 3 * args.rounds,
+    numbers["idle_pairs"] = pairs = idle_pairs(loaded, dev, max(2.0, d / 2), 3 * args.rounds,
                                                {"best": best, "naive": {"strategy": "naive"}, "guide": guide})
     idle = statistics.median(p["best"] - p["naive"] for p in pairs)
     diffs = sorted(p["best"] - p["naive"] for p in pairs)
@@ -319,10 +321,9 @@ def main() -> int:
         rows.append(row(f"3 load: best/guide {q} at 64 clients", ratio, "<= 0.8", ratio <= 0.8, detail))
 
     if args.peers:
-        shared = labserver.load_model(model, device=dev)
         for kind, port in (("litserve", 18931), ("ray", 18932)):
             print(f"peer {kind} ...", file=sys.stderr)
-            numbers[kind] = got = against_peer(kind, port, d, args.rounds, best, shared, dev)
+            numbers[kind] = got = against_peer(kind, port, d, args.rounds, best, loaded, dev)
             if got is None:
                 rows.append(row(f"4 peers: best / {kind} throughput", None, ">= 1.2", None, "not installed"))
                 continue
@@ -359,7 +360,7 @@ def main() -> int:
             pairs.append((ours, theirs))
         return pairs
 
-    numbers["wrk"] = pairs = with_server(best["strategy"], model, dev, wrk_rounds, max_batch_size=64)
+    numbers["wrk"] = pairs = with_server(best, loaded, dev, wrk_rounds)
     if pairs is None:
         rows.append(row("5 generator: labserver / wrk throughput", None, "within 10 %", None, "wrk not installed"))
     else:

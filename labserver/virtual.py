@@ -4,8 +4,9 @@
 strategy's own ``collect`` and charges ``service_ms(batch_size)`` of virtual time
 per batch, exactly as a single worker would. ``simulate_closed(strategy, users,
 service_ms, reply_ms)`` is the closed loop instead: every answered client sends
-again as soon as its reply arrives, and replies go out one after another. They are what the strategy tests use, and a notebook
-can use them to show a rule's behaviour before measuring it for real.
+again as soon as its reply arrives, and replies go out one after another. They are
+what the strategy tests use, and a notebook can use them to show a rule's behaviour
+before measuring it for real.
 
 >>> from labserver.strategies import make_strategy
 >>> from labserver.engine import Limits
@@ -97,7 +98,7 @@ def simulate(
     strategy: Strategy, arrivals_s: Iterable[float], service_ms: Callable[[int], float]
 ) -> SimRun:
     """Every batch the strategy would form for these arrivals, on one worker."""
-    return _run(strategy, VirtualQueue(arrivals_s), service_ms, lambda q, start, n: None, math.inf)
+    return _run(strategy, VirtualQueue(arrivals_s), service_ms, lambda q, end_s, n: None, math.inf)
 
 
 def simulate_closed(
