@@ -53,6 +53,10 @@ class Limits:
     max_queue: int | None = None  # queued items before new requests get 503; None = unbounded
     timeout_ms: float | None = None  # per-request deadline from arrival, ms; None = none
     idle_dispatch: bool = True  # dispatch at once when nothing else is queued (deadline, thread)
+    # generation only (gen-* strategies): max_batch_size caps the sequences running together
+    max_kv_tokens: int | None = None  # KV-cache tokens the running sequences may reserve (prompt + max_new_tokens each)
+    prefill: str = "eager"  # gen-continuous: "eager" admits all that fit at every step; "budget" at most max_prefill_tokens
+    max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps under prefill="budget"
 
     def __post_init__(self) -> None:
         if self.max_batch_size is not None and self.max_batch_size < 1:
@@ -63,6 +67,12 @@ class Limits:
             raise ValueError(f"max_queue must be >= 1 or None, got {self.max_queue}")
         if self.timeout_ms is not None and self.timeout_ms <= 0:
             raise ValueError(f"timeout_ms must be > 0 or None, got {self.timeout_ms}")
+        if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
+            raise ValueError(f"max_kv_tokens must be >= 1 or None, got {self.max_kv_tokens}")
+        if self.prefill not in ("eager", "budget"):
+            raise ValueError(f"prefill must be 'eager' or 'budget', got {self.prefill!r}")
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
 
     @property
     def cap(self) -> float:
@@ -127,6 +137,10 @@ class ItemQueue:
     def drain(self) -> list[Item]:
         items, self._items = list(self._items), deque()
         return items
+
+    def putback(self, item: Item) -> None:
+        """Return an item just taken to the head of the queue (it did not fit; it goes first next time)."""
+        self._items.appendleft(item)
 
     async def get(self, timeout_s: float | None = None) -> Item | None:
         """The next live item; None if none arrived within timeout_s (None = wait forever)."""

@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -35,10 +35,12 @@ from starlette.routing import Route
 from . import wire
 from .config import ServerConfig
 from .engine import Engine, Expired, Item, Overloaded, ShuttingDown, WorkerDied
+from .generation import GenEngine
+from .genmodels import GEN_SPECS, GenModel, load_gen_model
 from .looplag import LagMonitor
 from .metrics import attach_metrics, metrics_response
 from .models import InputRejected, Model, ModelError, ModelLoadError, load_model
-from .strategies import make_strategy
+from .strategies import GEN_STRATEGIES, make_strategy
 
 logger = logging.getLogger(__name__)
 _PROC = psutil.Process()
@@ -84,11 +86,17 @@ class Runtime:
 
     async def _load(self) -> None:
         cfg = self.config
+        generate = self.strategy.kind == "generate"
         try:
             if self.model is None:
-                self.model = await asyncio.to_thread(
-                    load_model, cfg.model, device=cfg.device, dtype=cfg.dtype, task=cfg.task
-                )
+                if generate:
+                    self.model = await asyncio.to_thread(load_gen_model, cfg.model, device=cfg.device, dtype=cfg.dtype)
+                else:
+                    self.model = await asyncio.to_thread(
+                        load_model, cfg.model, device=cfg.device, dtype=cfg.dtype, task=cfg.task
+                    )
+            if generate != isinstance(self.model, GenModel):
+                raise ModelLoadError(_mismatch(self.strategy.name, cfg.model, generate))
         except ModelLoadError as e:
             self.state, self.load_error = "failed", str(e)
             logger.error("model %r failed to load: %s", cfg.model, e, exc_info=e.__cause__)
@@ -104,7 +112,10 @@ class Runtime:
             # GIL). Freezing moves everything that exists now, the model included, out of the
             # collector's sight, so later collections walk only what serving allocates.
             gc.freeze()
-        self.engine = Engine(self.strategy, self.model)
+        if generate:
+            self.engine = GenEngine(self.strategy, self.model)  # type: ignore[arg-type]
+        else:
+            self.engine = Engine(self.strategy, self.model)
         self.engine.start()
         self.state = "ready"
         logger.info("serving %s with strategy %s", getattr(self.model, "name", cfg.model), self.strategy.name)
@@ -130,6 +141,20 @@ class Runtime:
 
     def healthy(self) -> bool:
         return self.state == "ready" and self.engine is not None and self.engine.healthy
+
+    def answered(self, server_s: float) -> None:
+        """Count one successful answer (its server time, s, goes to /metrics)."""
+        self.statuses[200] += 1
+        if self.latency_observer is not None:
+            self.latency_observer(server_s)
+
+
+def _mismatch(strategy: str, model: str, generate: bool) -> str:
+    if generate:
+        return (f"strategy {strategy} generates text and needs a generative model "
+                f"({', '.join(GEN_SPECS)}); {model!r} is not one")
+    return (f"strategy {strategy} serves encoders (one call per batch); {model!r} is a generative model: "
+            f"use a gen-* strategy ({', '.join(GEN_STRATEGIES)})")
 
 
 # -- responses -------------------------------------------------------------------------
@@ -218,22 +243,26 @@ def parse_inputs(body: bytes, max_inputs: int) -> tuple[list[str], bool]:
     return inputs, False
 
 
+def check_text(where: str, t: str, limit: int) -> None:
+    """What no model can take: empty, too long, NUL, unpaired surrogates. ``where`` names it in the message."""
+    if not t.strip():
+        raise ClientError("bad_request", f"{where} is empty; send some text")
+    if len(t) > limit:
+        raise ClientError("bad_request", f"{where} has {len(t)} characters, over the limit of {limit}")
+    if "\x00" in t:
+        raise ClientError("bad_request", f"{where} contains a NUL character")
+    try:
+        t.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate from a JSON escape like "\ud800": tokenizers reject it
+        raise ClientError("bad_request", f"{where} has an unpaired surrogate (\\u{ord(t[e.start]):04x} at "
+                                         f"character {e.start}); send valid Unicode text") from None
+
+
 def check_texts(rt: Runtime, texts: list[str]) -> None:
     assert rt.model is not None
-    limit = rt.config.max_chars
     for i, t in enumerate(texts):
         where = "text" if len(texts) == 1 else f'"inputs"[{i}]'
-        if not t.strip():
-            raise ClientError("bad_request", f"{where} is empty; send some text")
-        if len(t) > limit:
-            raise ClientError("bad_request", f"{where} has {len(t)} characters, over the limit of {limit}")
-        if "\x00" in t:
-            raise ClientError("bad_request", f"{where} contains a NUL character")
-        try:
-            t.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate from a JSON escape like "\ud800": tokenizers reject it
-            raise ClientError("bad_request", f"{where} has an unpaired surrogate (\\u{ord(t[e.start]):04x} at "
-                                             f"character {e.start}); send valid Unicode text") from None
+        check_text(where, t, rt.config.max_chars)
         try:
             rt.model.check(t)
         except InputRejected as e:
@@ -280,7 +309,15 @@ async def infer(rt: Runtime, request: Request, texts: list[str], rid: str, t0: f
     return [i.future.result() for i in items], items[-1]
 
 
-async def _handle(request: Request, texts_of: Callable[[bytes, Runtime], tuple[list[str], bool]]) -> Response:
+Work = Callable[[Runtime, Request, bytes, str, float], Awaitable[Response]]
+
+
+async def answer(request: Request, work: Work) -> Response:
+    """One request, one response: read the body, check readiness, run ``work``, map its failures.
+
+    ``work(runtime, request, body, request_id, t0)`` parses, queues, waits and builds the
+    answer; every exception it raises becomes the one JSON error its kind calls for.
+    """
     rt: Runtime = request.app.state.runtime
     t0 = time.perf_counter()
     rid = request.headers.get(wire.HEADER_REQUEST_ID, "")
@@ -292,11 +329,11 @@ async def _handle(request: Request, texts_of: Callable[[bytes, Runtime], tuple[l
             why = rt.load_error or ("model is loading" if rt.state == "loading" else "server is stopping")
             kind = "model_unavailable" if rt.state in ("loading", "failed") else "shutting_down"
             return error_response(rt, kind, why, rid, headers={"retry-after": "1"})
-        texts, single = texts_of(body, rt)
-        check_texts(rt, texts)
-        outputs, last = await infer(rt, request, texts, rid, t0)
+        return await work(rt, request, body, rid, t0)
     except ClientError as e:
         return error_response(rt, e.kind, str(e), rid)
+    except InputRejected as e:
+        return error_response(rt, "bad_request", str(e), rid)
     except Overloaded as e:
         return error_response(rt, "overloaded", f"{e}; retry later", rid, headers={"retry-after": "1"})
     except Expired as e:
@@ -316,12 +353,22 @@ async def _handle(request: Request, texts_of: Callable[[bytes, Runtime], tuple[l
     except Exception as e:  # a model bug is still one failed request, never a dead server
         logger.exception("request %s: model failed", rid)
         return error_response(rt, "model_error", "the model failed on this input", rid, exc=e)
-    now = time.perf_counter()
-    rt.statuses[200] += 1
-    if rt.latency_observer is not None:
-        rt.latency_observer(now - t0)
-    content = outputs[0] if request.url.path == "/" else ({"output": outputs[0]} if single else {"outputs": outputs})
-    return FastJSON(content, headers=_server_headers(last, rid, t0, now))
+
+
+def _texts_work(texts_of: Callable[[bytes, Runtime], tuple[list[str], bool]]) -> Work:
+    async def work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float) -> Response:
+        if rt.strategy.kind != "encode":
+            raise ClientError("bad_request", f"this server generates text ({rt.strategy.name}); "
+                                             f"POST {wire.GENERATE_PATH} with JSON {{\"prompt\": \"...\"}}")
+        texts, single = texts_of(body, rt)
+        check_texts(rt, texts)
+        outputs, last = await infer(rt, request, texts, rid, t0)
+        now = time.perf_counter()
+        rt.answered(now - t0)
+        content = outputs[0] if request.url.path == "/" else ({"output": outputs[0]} if single else {"outputs": outputs})
+        return FastJSON(content, headers=_server_headers(last, rid, t0, now))
+
+    return work
 
 
 def _raw_text(body: bytes, rt: Runtime) -> tuple[list[str], bool]:
@@ -333,11 +380,11 @@ def _json_inputs(body: bytes, rt: Runtime) -> tuple[list[str], bool]:
 
 
 async def post_root(request: Request) -> Response:
-    return await _handle(request, _raw_text)
+    return await answer(request, _texts_work(_raw_text))
 
 
 async def post_predict(request: Request) -> Response:
-    return await _handle(request, _json_inputs)
+    return await answer(request, _texts_work(_json_inputs))
 
 
 async def health(request: Request) -> Response:
@@ -423,11 +470,14 @@ def create_app(config: ServerConfig | None = None, model: Model | None = None) -
         finally:
             await runtime.stop()
 
+    from .genserver import post_generate  # it builds on this module
+
     app = Starlette(
         debug=False,  # Starlette's debug pages would leak tracebacks; ours are opt-in in JSON
         routes=[
             Route("/", post_root, methods=["POST"]),
             Route("/predict", post_predict, methods=["POST"]),
+            Route(wire.GENERATE_PATH, post_generate, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

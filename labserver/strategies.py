@@ -12,6 +12,9 @@ engine's, so a strategy is testable on a virtual clock without HTTP or torch
 Adding a strategy: subclass ``Strategy``, set ``name``, write ``collect``, and
 decorate it with ``@register``. Nothing else changes: the server, the CLI and the
 notebooks look strategies up in ``STRATEGIES``.
+
+Generation strategies (``gen-*``, ``labserver.genstrategies``) register the same way
+into ``GEN_STRATEGIES``; ``make_strategy`` finds a name in either.
 """
 
 from __future__ import annotations
@@ -30,23 +33,34 @@ class Queue(Protocol):
 
     def empty(self) -> bool: ...
 
+    def putback(self, item: Item) -> None: ...
+
 
 Clock = Callable[[], float]
 Batch = tuple[list["Item"], str]  # (items, dispatch reason)
 
-STRATEGIES: dict[str, type[Strategy]] = {}
+STRATEGIES: dict[str, type[Strategy]] = {}  # encoders: one model call answers a batch of requests
+GEN_STRATEGIES: dict[str, type[Strategy]] = {}  # generation: one model call per output token
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
-    if cls.name in STRATEGIES:
-        raise ValueError(f"strategy name {cls.name!r} is taken by {STRATEGIES[cls.name].__qualname__}")
-    STRATEGIES[cls.name] = cls
+    registry = GEN_STRATEGIES if cls.kind == "generate" else STRATEGIES
+    taken = STRATEGIES.get(cls.name) or GEN_STRATEGIES.get(cls.name)
+    if taken is not None:
+        raise ValueError(f"strategy name {cls.name!r} is taken by {taken.__qualname__}")
+    registry[cls.name] = cls
     return cls
+
+
+def strategy_names() -> list[str]:
+    """Every registered name, encoders first: what the CLI offers."""
+    return [*STRATEGIES, *GEN_STRATEGIES]
 
 
 class Strategy:
     name: ClassVar[str] = ""
     offload: ClassVar[bool] = False  # True: the model runs on its own thread, the loop stays free
+    kind: ClassVar[str] = "encode"  # "encode" | "generate": which engine and which endpoint serve it
     summary: ClassVar[str] = ""
 
     def __init__(self, limits: Limits | None = None) -> None:
@@ -62,11 +76,10 @@ def make_strategy(name: str | type[Strategy] | Strategy, limits: Limits | None =
         return name
     if isinstance(name, type):
         return name(limits)
-    try:
-        return STRATEGIES[name](limits)
-    except KeyError:
-        known = ", ".join(STRATEGIES)
-        raise ValueError(f"unknown strategy {name!r}; choose one of: {known}") from None
+    cls = STRATEGIES.get(name) or GEN_STRATEGIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(strategy_names())}")
+    return cls(limits)
 
 
 @register
@@ -205,3 +218,6 @@ class Adaptive(Thread):
             batch.append(item)
         self.last = len(batch)
         return batch, reason
+
+
+from . import genstrategies as _genstrategies  # noqa: E402,F401  (registers the gen-* strategies)

@@ -152,3 +152,105 @@ def _run(strategy: Strategy, q: VirtualQueue, service_ms: Callable[[int], float]
         return stop.value
     coro.close()
     raise RuntimeError(f"strategy {strategy.name!r} awaited something other than the virtual queue")
+
+
+# -- generation -------------------------------------------------------------------------
+
+
+class _VirtualFuture:
+    """Stands in for a sequence's future on the virtual clock: remembers when it was settled."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self.settled_s = math.nan
+        self.error: BaseException | None = None
+
+    def done(self) -> bool:
+        return not math.isnan(self.settled_s)
+
+    def set_result(self, _: Any) -> None:
+        self.settled_s = self._clock()
+
+    def set_exception(self, error: BaseException) -> None:
+        self.settled_s, self.error = self._clock(), error
+
+    def cancel(self) -> bool:
+        self.set_exception(RuntimeError("cancelled"))
+        return True
+
+    def add_done_callback(self, _: Any) -> None:
+        pass
+
+
+class GenVirtualQueue(VirtualQueue):
+    """Scripted generation requests: (arrival_s, prompt_tokens, max_new_tokens) each."""
+
+    def __init__(self, requests: Iterable[tuple[float, int, int]]) -> None:
+        requests = sorted(requests)
+        super().__init__([t for t, _, _ in requests])
+        self._shapes = deque((p, n) for _, p, n in requests)
+        self.seqs: list[Any] = []  # every sequence created, in arrival order
+
+    def advance(self, seconds: float) -> None:
+        """The synthetic model's sleep: the clock moves by the cost of the call."""
+        self.now_s += seconds
+
+    def _admit(self) -> None:
+        from .generation import Seq
+
+        while self._pending and self._pending[0] <= self.now_s:
+            t = heapq.heappop(self._pending)
+            prompt, new = self._shapes.popleft()
+            seq = Seq(len(self.seqs) + 1, [1] * prompt, new, _VirtualFuture(self.clock), enqueued_s=t, ignore_eos=True)
+            self.seqs.append(seq)
+            self._queued.append(seq)
+
+    def putback(self, item: Any) -> None:
+        self._queued.appendleft(item)
+
+
+@dataclass
+class GenSimRun:
+    steps: list[Any]  # StepRecord per model call
+    seqs: list[Any]  # Seq per request: enqueued_s, admitted_s, first_token_s, finished_s, future.settled_s
+
+    def frames(self) -> tuple[Any, Any]:
+        """(steps, requests) as DataFrames; requests have ttft_ms, answered_ms (arrival -> answer)."""
+        import pandas as pd
+
+        steps = pd.DataFrame([vars(s) for s in self.steps])
+        rows = [{"sid": s.sid, "arrival_s": s.enqueued_s, "prompt_tokens": len(s.prompt_ids),
+                 "max_new_tokens": s.max_new_tokens, "tokens": len(s.tokens),
+                 "ttft_ms": (s.first_token_s - s.enqueued_s) * 1000,
+                 "finished_ms": (s.finished_s - s.enqueued_s) * 1000,
+                 "answered_ms": (s.future.settled_s - s.enqueued_s) * 1000} for s in self.seqs]
+        return steps, pd.DataFrame(rows)
+
+
+def simulate_gen(strategy: Strategy, requests: Iterable[tuple[float, int, int]], *, prefill_ms: float = 20.0,
+                 step_ms: float = 10.0, per_token_ms: float = 0.0, per_seq_ms: float = 0.0) -> GenSimRun:
+    """Every step a generation strategy would run for these requests, on one worker.
+
+    ``requests`` are (arrival_s, prompt_tokens, max_new_tokens); the model is
+    ``synthetic-gen`` (a prefill call costs ``prefill_ms + per_token_ms * prompt tokens``,
+    a decode step ``step_ms + per_seq_ms * sequences``), charged to the virtual clock.
+    It is the engine's own step loop (``GenEngine.step_loop``) with the strategy's own
+    ``admit``, run until every request is answered.
+    """
+    from .generation import GenEngine
+    from .genmodels import SyntheticGen
+
+    q = GenVirtualQueue(requests)
+    model = SyntheticGen(prefill_ms, step_ms, per_token_ms=per_token_ms, per_seq_ms=per_seq_ms, sleep=q.advance)
+    engine = GenEngine(strategy, model, clock=q.clock)  # type: ignore[arg-type]
+    engine.queue = q  # type: ignore[assignment]
+    engine.accepting = True
+    coro = engine.step_loop()
+    try:
+        while True:
+            coro.send(None)  # only a bare yield can come back: the loop never awaits a real future
+    except EndOfArrivals:
+        pass
+    finally:
+        coro.close()
+    return GenSimRun(list(engine.steps), q.seqs)

@@ -42,3 +42,23 @@ ERROR_TYPES: dict[str, int] = {
     "shutting_down": 503,
     "timeout": 504,
 }
+
+# -- generation: POST /generate ---------------------------------------------------------
+# Request: JSON {"prompt": str, "max_new_tokens": int, "stream": bool, "ignore_eos": bool}
+# (only "prompt" is required). Without "stream" the answer is one JSON object:
+#   {"text", "tokens": [ids], "finish_reason": "length" | "eos", "prompt_tokens",
+#    "generated_tokens", "timing": {...}, "note"?}
+# With "stream": true the answer is text/event-stream. Its headers (status 200) go out
+# with the first token, so anything that fails before it (400, 413, 503, 504, a prompt
+# the model fails on) is an ordinary JSON error with its status. Then one event per
+# token and one final event:
+#   event: token\ndata: {"index": k, "id": id, "text": "..."}\n\n
+#   event: done\ndata: {same fields as the JSON answer}\n\n
+# or, if the model fails after the first token, a final
+#   event: error\ndata: {"error": {"type", "message", "request_id"}}\n\n
+GENERATE_PATH = "/generate"
+SSE_TOKEN = b"event: token\n"
+SSE_DONE = b"event: done\n"
+SSE_ERROR = b"event: error\n"
+# "timing" in the JSON answer and in the done event (server clock, ms from enqueue):
+TIMING_FIELDS = ("queue_ms", "ttft_ms", "server_ms", "steps", "mean_step_batch")
