@@ -53,3 +53,53 @@ class CrashModel:
 
     def check(self, text: str) -> None:
         pass
+
+
+class SteppedGen:
+    """A synthetic generator whose decode steps wait for the test's permits: one permit, one step.
+
+    ``entered`` counts steps begun (a semaphore the test can wait on); ``calls`` logs
+    every prefill and decode with its sequence ids, as the real models do.
+    """
+
+    def __init__(self) -> None:
+        from labserver.genmodels import SyntheticGen
+
+        self.inner = SyntheticGen(0, 0)
+        self.permits = threading.Semaphore(0)
+        self.entered = threading.Semaphore(0)
+        self.name, self.note, self.eos_id, self.max_context = "stepped", None, 0, 4096
+        self.calls = self.inner.calls
+
+    def allow(self, steps: int = 1) -> None:
+        for _ in range(steps):
+            self.permits.release()
+
+    def wait_entered(self, timeout_s: float = 10.0) -> None:
+        if not self.entered.acquire(timeout=timeout_s):
+            raise AssertionError("no decode step began")
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.inner.encode(prompt)
+
+    def token_text(self, token: int) -> str:
+        return self.inner.token_text(token)
+
+    def text(self, tokens: list[int]) -> str:
+        return self.inner.text(tokens)
+
+    def prefill(self, seqs):  # type: ignore[no-untyped-def]
+        return self.inner.prefill(seqs)
+
+    def decode(self, seqs):  # type: ignore[no-untyped-def]
+        self.entered.release()
+        if not self.permits.acquire(timeout=30):
+            raise RuntimeError("test never allowed the step")
+        return self.inner.decode(seqs)
+
+    def release(self, seq_ids):  # type: ignore[no-untyped-def]
+        self.inner.release(seq_ids)
+
+    @property
+    def cached(self) -> int:
+        return self.inner.cached
