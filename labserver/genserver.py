@@ -49,8 +49,10 @@ class GenParams:
 def parse_generate(body: bytes, max_new_tokens_cap: int, max_chars: int) -> GenParams:
     """The fields of a /generate body, each checked, with a message that says what to send."""
     example = '{"prompt": "Once upon a time", "max_new_tokens": 32}'
+    if not body:
+        raise ClientError("bad_request", f"empty body; send JSON like {example}")
     try:
-        doc = json.loads(body.decode("utf-8")) if body else None
+        doc = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise ClientError("bad_request", f"body is not valid UTF-8 (byte {e.start}); send UTF-8 JSON") from None
     except (ValueError, RecursionError) as e:
@@ -65,11 +67,11 @@ def parse_generate(body: bytes, max_new_tokens_cap: int, max_chars: int) -> GenP
         # bool is an int in Python: max_new_tokens=true is a type error, not 1 token
         if name in doc and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
             raise ClientError("bad_request", f'"{name}" is {type(value).__name__}, expected {kind.__name__}')
-    params = GenParams(**doc)
+    params = GenParams(**{"max_new_tokens": min(DEFAULT_MAX_NEW_TOKENS, max_new_tokens_cap), **doc})
+    check_text('"prompt"', params.prompt, max_chars)
     if not 1 <= params.max_new_tokens <= max_new_tokens_cap:
         raise ClientError("bad_request", f'"max_new_tokens" must be between 1 and {max_new_tokens_cap} '
                                          f"(the server's cap), got {params.max_new_tokens}")
-    check_text('"prompt"', params.prompt, max_chars)
     return params
 
 
