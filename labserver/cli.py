@@ -11,7 +11,7 @@ from typing import Any
 
 from .config import DEFAULT_MODEL, DEFAULT_STRATEGY, ServerConfig
 from .engine import Limits
-from .strategies import STRATEGIES
+from .strategies import strategy_names
 
 _LIMITS = Limits()
 _CONFIG = ServerConfig()
@@ -20,7 +20,8 @@ _CONFIG = ServerConfig()
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="minilm (embedded default), bert-base-random, synthetic:BASE+PER_ITEM, echo, "
-                        "or a Hugging Face id / local folder (default: %(default)s)")
+                        "or a Hugging Face id / local folder; for gen-* strategies: gpt2-random, "
+                        "gpt2-tiny-random, synthetic-gen:PREFILL+STEP (default: %(default)s)")
     p.add_argument("--task", default=None, help="pipeline task for a hub id or folder")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="(default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
@@ -29,7 +30,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) -> None:
     if with_strategy:
-        p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=list(STRATEGIES),
+        p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=strategy_names(),
                        help="(default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=_LIMITS.max_batch_size,
                    help="items per model call; 0 = no cap (default: %(default)s)")
@@ -40,6 +41,12 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
                    help="per-request deadline; 504 after it (default: none)")
     p.add_argument("--no-idle-dispatch", action="store_true",
                    help="deadline/thread: wait for the deadline even when nothing else is queued")
+    p.add_argument("--max-kv-tokens", type=int, default=None,
+                   help="gen-*: KV-cache tokens the running sequences may reserve (default: no cap)")
+    p.add_argument("--prefill", default=_LIMITS.prefill, choices=["eager", "budget"],
+                   help="gen-continuous: prefill all that fit at every step, or at most --max-prefill-tokens")
+    p.add_argument("--max-prefill-tokens", type=int, default=_LIMITS.max_prefill_tokens,
+                   help="gen-continuous with --prefill budget (default: %(default)s)")
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -49,6 +56,9 @@ def limits_from(args: argparse.Namespace) -> Limits:
         max_queue=args.max_queue,
         timeout_ms=args.timeout_ms,
         idle_dispatch=not args.no_idle_dispatch,
+        max_kv_tokens=args.max_kv_tokens,
+        prefill=args.prefill,
+        max_prefill_tokens=args.max_prefill_tokens,
     )
 
 
@@ -59,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         strategy=args.strategy, model=args.model, device=args.device, dtype=args.dtype, task=args.task,
         limits=limits_from(args), host=args.host, port=args.port, debug=args.debug,
         max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_chars=args.max_chars,
-        log_level=args.log_level,
+        max_new_tokens=args.max_new_tokens, log_level=args.log_level,
     )
     print(f"labserver: {config.strategy} serving {config.model} on http://{config.host}:{config.port} "
           f"(Ctrl-C to stop)", file=sys.stderr)
@@ -193,7 +203,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def add_load_args(p: argparse.ArgumentParser, rate_required: bool = False) -> None:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="load this server (loopback only unless --allow-remote)")
-    target.add_argument("--strategy", choices=list(STRATEGIES), help="start this strategy here and load it")
+    target.add_argument("--strategy", choices=strategy_names(), help="start this strategy here and load it")
     add_model_args(p)
     add_strategy_args(p, with_strategy=False)
     p.add_argument("--arrival", default="poisson", choices=["poisson", "constant"], help="(default: %(default)s)")
@@ -220,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=_CONFIG.max_body_bytes)
     p.add_argument("--max-inputs", type=int, default=_CONFIG.max_inputs)
     p.add_argument("--max-chars", type=int, default=_CONFIG.max_chars)
+    p.add_argument("--max-new-tokens", type=int, default=_CONFIG.max_new_tokens,
+                   help="/generate: the most tokens one request may ask for (default: %(default)s)")
     p.add_argument("--debug", action="store_true", help="tracebacks in error responses (never when shared)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)

@@ -145,7 +145,7 @@ def _event(kind: bytes, data: Any) -> bytes:
 async def stream_events(rt: Runtime, seq: Seq, rid: str, t0: float) -> AsyncIterator[bytes]:
     """Token events as the engine makes them (all that are ready in one chunk), then done or error."""
     model: GenModel = rt.model  # type: ignore[assignment]
-    sent = 0
+    sent, answered = 0, False
     try:
         while True:
             if len(seq.tokens) > sent:
@@ -158,6 +158,7 @@ async def stream_events(rt: Runtime, seq: Seq, rid: str, t0: float) -> AsyncIter
             else:
                 await asyncio.wait({seq.next_change(), seq.future}, return_when=asyncio.FIRST_COMPLETED)
         error = None if seq.future.cancelled() else seq.future.exception()
+        answered = True
         if error is None:
             rt.answered(time.perf_counter() - t0)
             yield _event(wire.SSE_DONE, result_body(model, seq, t0, time.perf_counter()))
@@ -169,6 +170,8 @@ async def stream_events(rt: Runtime, seq: Seq, rid: str, t0: float) -> AsyncIter
             yield _event(wire.SSE_ERROR, {"error": {"type": kind, "message": message, "request_id": rid}})
     finally:
         seq.future.cancel()  # a no-op once answered; a client that left mid-stream frees its slot
+        if not answered:
+            rt.statuses[499] += 1  # it began as a 200, but its client left: one outcome, counted once
 
 
 async def _generate(rt: Runtime, request: Request, body: bytes, rid: str, t0: float) -> Response:

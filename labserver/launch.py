@@ -129,6 +129,11 @@ class ServerHandle:
         """Every recorded batch (size, reason, queue wait, compute time), oldest first."""
         return self._call(lambda: [vars(b).copy() for b in self.runtime.engine.batches] if self.runtime.engine else [])
 
+    def steps(self, last: int | None = None) -> list[dict[str, Any]]:
+        """The generation engine's step log (who was in each prefill and decode step), oldest first."""
+        engine = self.runtime.engine
+        return self._call(lambda: engine.step_log(last) if hasattr(engine, "step_log") else [])
+
     def loop_lag(self) -> list[tuple[float, float]]:
         """(t_s, lag_ms) samples of the server's event-loop lag."""
         return self._call(lambda: list(self.runtime.lag.samples))

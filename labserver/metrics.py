@@ -51,6 +51,22 @@ class _RuntimeCollector:
             counter = CounterMetricFamily(f"labserver_{name}", doc)
             counter.add_metric([], value)
             yield counter
+        gen = getattr(engine, "gen", None)
+        if gen is not None:  # a generation engine
+            for name, value, doc in (
+                ("tokens_generated", gen.tokens, "Tokens generated for clients"),
+                ("idle_tokens", gen.idle_tokens, "Tokens computed for sequences already finished (static batching)"),
+                ("decode_steps", gen.decode_steps, "Decode steps run"),
+                ("left_while_generating", gen.left_running, "Sequences dropped mid-generation: client left"),
+            ):
+                counter = CounterMetricFamily(f"labserver_{name}", doc)
+                counter.add_metric([], value)
+                yield counter
+            for name, value, doc in (("running", len(engine.running), "Sequences in the running batch"),
+                                     ("kv_tokens", engine.running.kv_tokens, "KV-cache tokens held")):
+                gauge = GaugeMetricFamily(f"labserver_{name}", doc)
+                gauge.add_metric([], value)
+                yield gauge
         reasons = CounterMetricFamily("labserver_dispatch", "Batches by dispatch reason", labels=["reason"])
         for reason, n in sorted(c.reasons.items()):
             reasons.add_metric([reason], n)

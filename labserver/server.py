@@ -408,7 +408,7 @@ def process_info() -> dict[str, float]:
     return {"rss_mb": round(_PROC.memory_info().rss / 2**20, 1), "threads": threading.active_count(), "tasks": tasks}
 
 
-def stats_dict(rt: Runtime, batches: int = 0, lag: bool = False) -> dict[str, Any]:
+def stats_dict(rt: Runtime, batches: int = 0, lag: bool = False, steps: int = 0) -> dict[str, Any]:
     out: dict[str, Any] = {
         "state": rt.state,
         "model": rt.config.model,
@@ -422,6 +422,8 @@ def stats_dict(rt: Runtime, batches: int = 0, lag: bool = False) -> dict[str, An
         out.update(rt.engine.stats())
         if batches:
             out["recent_batches"] = [vars(b) for b in list(rt.engine.batches)[-batches:]]
+        if steps and isinstance(rt.engine, GenEngine):
+            out["recent_steps"] = rt.engine.step_log(steps)
     if lag:
         out["loop_lag_samples"] = list(rt.lag.samples)
     return out
@@ -431,10 +433,11 @@ async def stats(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
     try:
         batches = int(request.query_params.get("batches", "0"))
+        steps = int(request.query_params.get("steps", "0"))
     except ValueError:
-        return error_response(rt, "bad_request", "batches must be an integer", rt.request_id())
+        return error_response(rt, "bad_request", "batches and steps must be integers", rt.request_id())
     lag = request.query_params.get("lag", "") in ("1", "true", "yes")
-    return JSONResponse(stats_dict(rt, max(0, batches), lag))
+    return JSONResponse(stats_dict(rt, max(0, batches), lag, max(0, steps)))
 
 
 async def metrics(request: Request) -> Response:
