@@ -104,10 +104,10 @@ def _plain_log_ticks(axis: Any) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
-def _ok_latency(rows: pd.DataFrame) -> np.ndarray:
+def _ok_latency(rows: pd.DataFrame, column: str = "latency_ms") -> np.ndarray:
     rows = analysis.measured(rows)
     ok = rows["status"].between(200, 299)
-    return np.sort(rows.loc[ok, "latency_ms"].dropna().to_numpy(dtype=float))
+    return np.sort(rows.loc[ok, column].dropna().to_numpy(dtype=float))
 
 
 # ---------------------------------------------------------------- latency
@@ -120,18 +120,21 @@ def latency_cdf(
     by: str | None = "label",
     marks: Sequence[float] = (50.0, 99.0),
     tail: bool = False,
+    column: str = "latency_ms",
 ) -> Axes:
     """Cumulative distribution of 2xx latency, one line per label, log-scaled ms.
 
     ``marks`` puts a marker at those percentiles (same method as the summaries).
     With ``tail=True`` the y axis shows the fraction *slower* than x on a log
     scale instead, which spreads out the p99–p99.9 region a linear CDF squashes.
+    ``column`` names another ms column to draw (``labserver.genplots`` draws
+    ``ttft_ms`` and ``tpot_ms`` this way, then relabels the axes).
     """
     ax = _axes(ax)
     groups = _groups(_frame(records), by)
     colors = _colors([label for label, _ in groups])
     for label, rows in groups:
-        latency = _ok_latency(rows)
+        latency = _ok_latency(rows, column)
         if latency.size == 0:
             continue
         below = np.arange(1, latency.size + 1) / latency.size
