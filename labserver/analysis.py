@@ -6,14 +6,15 @@ Input is the load generator's per-request frame (one row per request: ``i``,
 split ``queue_ms``, ``compute_ms``, ``batch_size``, ``batch_id``, ``dispatch``,
 ``server_ms``, ``request_id``, NaN where a server sent none). Several runs live in
 one frame told apart by ``label`` and offered ``rate`` columns (``combine``).
+Generation runs add TTFT/TPOT/ITL columns, summarised by ``labserver.genanalysis``.
 
 Conventions, the same in every function:
 
 * warm-up rows (``warmup`` true) are left out of everything;
 * latency means ``latency_ms``, measured from the *scheduled* send time, so a
   client that fell behind cannot hide the server's queueing (no coordinated
-  omission); percentiles are over successful (2xx) responses only, with numpy's
-  ``"linear"`` method (the pandas ``quantile`` default, so a notebook that
+  omission); percentiles are over successful (2xx, no error) responses only, with
+  numpy's ``"linear"`` method (the pandas ``quantile`` default, so a notebook that
   recomputes one by hand gets the same number);
 * the measured window runs from the first scheduled send to the last completion,
   so requests still draining after the sender stopped count against the time
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from .genanalysis import combine_tokens, gen_summary, has_generation, itl_ms, tokens_of_run
 from .theory import (
     capacity_rps,
     md1_mean_response_ms,
@@ -52,6 +54,8 @@ __all__ = [
     "batches",
     "capacity_rps",
     "combine",
+    "combine_tokens",
+    "itl_ms",
     "md1_mean_response_ms",
     "measured",
     "mg1_mean_response_ms",
@@ -120,7 +124,8 @@ def measured(records: pd.DataFrame) -> pd.DataFrame:
 
 
 def _ok(rows: pd.DataFrame) -> pd.Series:
-    return rows["status"].between(200, 299)
+    ok = rows["status"].between(200, 299)  # and no error: a generation's stream can break after its 200
+    return ok & rows["error"].fillna("").eq("") if "error" in rows.columns else ok
 
 
 def _run_keys(records: pd.DataFrame) -> list[str]:
@@ -249,7 +254,8 @@ def request_phases(records: pd.DataFrame) -> pd.DataFrame:
 # ---------------------------------------------------------------- summaries
 
 
-def _summary(records: pd.DataFrame, slo_ms: float | None, duration_s: float | None, late_threshold_ms: float) -> dict:
+def _summary(records: pd.DataFrame, slo_ms: float | None, duration_s: float | None, late_threshold_ms: float,
+             gen: Mapping[str, Any] | None = None) -> dict:
     rows = measured(records)
     ok = rows[_ok(rows)]
     count, n_ok = len(rows), len(ok)
@@ -264,6 +270,7 @@ def _summary(records: pd.DataFrame, slo_ms: float | None, duration_s: float | No
     out["max_ms"] = float(latency.max()) if latency.size else math.nan
 
     failed = rows.loc[~_ok(rows), "status"].fillna(0).astype("int64")
+    failed = failed.where(~failed.between(200, 299), 0)  # a 2xx that broke off: no (whole) answer
     out["error_frac"] = (count - n_ok) / count if count else math.nan
     out["n_err"] = int((failed == 0).sum())  # no HTTP response at all
     for status in sorted({*ALWAYS_COUNTED, *failed[failed != 0].unique().tolist()}):
@@ -290,6 +297,8 @@ def _summary(records: pd.DataFrame, slo_ms: float | None, duration_s: float | No
     late = rows["late_ms"].dropna() if "late_ms" in rows.columns else pd.Series(dtype=float)
     out["late_frac"] = float((late > late_threshold_ms).mean()) if len(late) else math.nan
     out["max_late_ms"] = float(late.max()) if len(late) else math.nan
+    if has_generation(rows):
+        out.update(gen_summary(rows, ok, window, **(gen or {})))
     return out
 
 
@@ -299,6 +308,10 @@ def summarize(
     duration_s: float | None = None,
     meta: Mapping[str, Any] | None = None,
     late_threshold_ms: float = 1.0,
+    *,
+    tokens: pd.DataFrame | None = None,
+    ttft_slo_ms: float | None = None,
+    tpot_slo_ms: float | None = None,
 ) -> pd.Series:
     """One run's summary as a Series (the columns of ``summarize_runs``).
 
@@ -315,9 +328,12 @@ def summarize(
     ``mean_batch_size``, ``max_batch_size`` (each batch once),
     ``dispatch_<reason>`` (batches per reason); ``mean_queue_ms``,
     ``mean_compute_ms``, ``mean_server_ms`` (over 2xx requests); ``late_frac``,
-    ``max_late_ms`` (the load generator falling behind its schedule).
+    ``max_late_ms`` (the load generator falling behind its schedule). Generation
+    records add ``gen_summary``'s entries (ITL from ``tokens``, the run's tokens
+    frame; ``gen_goodput_rps`` under ``ttft_slo_ms`` and/or ``tpot_slo_ms``).
     """
-    out = _summary(records, slo_ms, duration_s, late_threshold_ms)
+    gen = dict(tokens=tokens, ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
+    out = _summary(records, slo_ms, duration_s, late_threshold_ms, gen)
     if meta is not None:
         target = meta.get("target_rate")
         offered = math.nan if target is None else float(target)
@@ -342,20 +358,30 @@ def summarize_runs(
     duration_s: float | None = None,
     by: Iterable[str] = RUN_KEYS,
     late_threshold_ms: float = 1.0,
+    *,
+    tokens: pd.DataFrame | None = None,
+    ttft_slo_ms: float | None = None,
+    tpot_slo_ms: float | None = None,
 ) -> pd.DataFrame:
     """One summary row per run of a combined frame, keyed by ``by`` (label, rate).
 
     Rows keep the labels' order of first appearance, rates ascending within a
     label. Count columns that only some runs have (``n_<status>``,
-    ``dispatch_<reason>``) are zero in the others.
+    ``dispatch_<reason>``) are zero in the others. ``tokens``, ``ttft_slo_ms``
+    and ``tpot_slo_ms`` as in ``summarize``; ``tokens`` of several runs must carry
+    the same keys (``combine_tokens``).
     """
     keys = [key for key in by if key in records.columns]
+    slos = dict(ttft_slo_ms=ttft_slo_ms, tpot_slo_ms=tpot_slo_ms)
     if not keys:
-        return _tidy_counts(pd.DataFrame([_summary(records, slo_ms, duration_s, late_threshold_ms)]))
+        gen = dict(tokens=tokens, **slos)
+        return _tidy_counts(pd.DataFrame([_summary(records, slo_ms, duration_s, late_threshold_ms, gen)]))
+    groups = records.groupby(keys, sort=False, dropna=False)
     table = pd.DataFrame(
         [
-            {**dict(zip(keys, key)), **_summary(group, slo_ms, duration_s, late_threshold_ms)}
-            for key, group in records.groupby(keys, sort=False, dropna=False)
+            {**dict(zip(keys, key)), **_summary(group, slo_ms, duration_s, late_threshold_ms,
+                                                dict(tokens=tokens_of_run(tokens, keys, key, groups.ngroups), **slos))}
+            for key, group in groups
         ]
     )
     table = _tidy_counts(table)

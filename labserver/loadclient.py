@@ -2,8 +2,10 @@
 
 Both send one fixed kind of request (method, path, content type) over keep-alive
 connections, one request per connection at a time, and answer ``(status, headers)``
-or raise ``RequestFailed(kind)`` with a short error kind. They know nothing of
-schedules or records; ``labserver.loadgen`` drives them.
+or raise ``RequestFailed(kind)`` with a short error kind. ``GenClient``, the raw one
+for ``POST /generate``, answers a ``labserver.sse.GenAnswer`` instead: the body read
+as it arrives, with the time of each token event. They know nothing of schedules or
+records; ``labserver.loadgen`` drives them.
 
 Why a raw client at all: on a 2-core machine httpx tops out near 500-1000 requests/s
 and gets slower as its pool grows (its pool scans every connection per request), so
@@ -18,22 +20,27 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import time
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 import httptools
 
+from labserver.sse import GenAnswer
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["CLIENTS", "HttpxClient", "RawClient", "RequestFailed", "check_target"]
+__all__ = ["CLIENTS", "GenClient", "HttpxClient", "RawClient", "RequestFailed", "check_target"]
 
 
 class RequestFailed(Exception):
-    """A request that got no HTTP response; ``kind`` is the short name recorded."""
+    """A request that got no (complete) HTTP response; ``kind`` is the short name recorded.
+    ``partial`` is a ``GenAnswer`` whose headers had come when a generation failed."""
 
     def __init__(self, kind: str, detail: str = ""):
         super().__init__(f"{kind}: {detail}" if detail else kind)
         self.kind = kind
+        self.partial: GenAnswer | None = None
 
 
 def check_target(url: str, allow_remote: bool = False) -> tuple[str, str, int]:
@@ -71,13 +78,15 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = False  # any response byte since the request went out
         self.keep_alive = False
         self.lost = False
+        self.answer: GenAnswer | None = None  # read by _GenConnection only
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
-    def send(self, data: bytes) -> asyncio.Future[int]:
+    def send(self, data: bytes, answer: GenAnswer | None = None) -> asyncio.Future[int]:
         self.waiter = asyncio.get_running_loop().create_future()
         self.got_bytes = False
+        self.answer = answer
         self.transport.write(data)
         return self.waiter
 
@@ -109,12 +118,36 @@ class _Connection(asyncio.Protocol):
             self.waiter.set_exception(exc)
 
 
+class _GenConnection(_Connection):
+    """A connection that also reads bodies into the request's ``GenAnswer``.
+
+    A subclass, not a flag: httptools calls ``on_body`` only where it is defined, so
+    the plain client pays nothing for it.
+    """
+
+    read_s = 0.0  # client clock of the socket read being parsed
+
+    def data_received(self, data: bytes) -> None:
+        self.read_s = time.perf_counter()  # once per read: events in one read share it
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        if self.answer is not None:
+            self.answer.begin(self.parser.get_status_code(), self.headers)
+
+    def on_body(self, body: bytes) -> None:
+        if self.answer is not None:
+            self.answer.feed(body, self.read_s)
+
+
 class RawClient:
     """HTTP/1.1 over asyncio, keep-alive, no pipelining; plain http only.
 
     Connections are opened on demand (the caller bounds concurrency) and reused
     last-in-first-out, so a steady load runs on as few sockets as it needs.
     """
+
+    _protocol: type[_Connection] = _Connection
 
     def __init__(self, url: str, *, method: str = "POST", content_type: str | None = None,
                  timeout_s: float = 60.0):
@@ -139,7 +172,7 @@ class RawClient:
         except TimeoutError:
             raise RequestFailed("timeout", f"no response within {self.timeout_s} s") from None
 
-    async def _request(self, body: bytes) -> tuple[int, Mapping[str, str]]:
+    async def _request(self, body: bytes, answer: GenAnswer | None = None) -> tuple[int, Mapping[str, str]]:
         data = self._head + b"content-length: %d\r\n\r\n" % len(body) + body
         for attempt in (0, 1):
             # The retry always takes a fresh connection: the other idle ones may have hit
@@ -149,7 +182,7 @@ class RawClient:
             conn = conn or await self._connect()
             self._busy.add(conn)
             try:
-                status = await conn.send(data)
+                status = await conn.send(data, answer)
             except RequestFailed as exc:
                 # A kept-alive socket the server closed while idle fails before any
                 # byte comes back; like other clients, retry that once on a new one.
@@ -178,7 +211,7 @@ class RawClient:
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
-            transport, conn = await loop.create_connection(_Connection, self._address or self.host, self.port)
+            transport, conn = await loop.create_connection(self._protocol, self._address or self.host, self.port)
         except OSError as exc:
             raise RequestFailed("connect", str(exc)) from None
         if self._address is None:
@@ -190,6 +223,32 @@ class RawClient:
             conn.transport.abort()
         self._idle.clear()
         self._busy.clear()
+
+
+class GenClient(RawClient):
+    """The raw client for generation: ``request(body)`` answers a ``GenAnswer`` (status,
+    headers, token times, final event or body). ``timeout_s`` runs to the last byte.
+
+    A failure after the headers came (the server dropped the connection mid-stream,
+    the timeout struck mid-stream) raises ``RequestFailed`` with the answer so far in
+    ``partial``, so the tokens already received are kept.
+    """
+
+    _protocol = _GenConnection
+
+    async def request(self, body: bytes = b"") -> GenAnswer:  # type: ignore[override]
+        answer = GenAnswer()
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await self._request(body, answer)
+        except TimeoutError:
+            exc = RequestFailed("timeout", f"no complete answer within {self.timeout_s} s")
+            exc.partial = answer if answer.status else None
+            raise exc from None
+        except RequestFailed as exc:
+            exc.partial = answer if answer.status else None
+            raise
+        return answer
 
 
 class HttpxClient:

@@ -7,10 +7,16 @@ whatever the server does; closed loop runs N users that each wait for an answer
 stalled server or a stalled client cannot hide queueing (no coordinated omission),
 and ``send_latency_ms`` is what a naive client would report, kept for comparison.
 
+``mode="generate"`` loads a generative server instead: it posts
+``{"prompt", "max_new_tokens", "stream", "ignore_eos"}`` to ``/generate``, reads the
+event stream, and records time to first token and each token's arrival, also from
+the schedule (``labserver.loadresult`` describes the columns).
+
 Entry points: ``await run_load(url, **options)`` in async code and notebooks,
 ``run_load_sync(url, **options)`` anywhere else (also inside a running Jupyter
 kernel); the options are the fields of ``LoadSpec``. Arrival processes and payloads
-live in ``labserver.arrivals``, the sending loop in ``labserver.loadworker``.
+live in ``labserver.arrivals``, output lengths in ``labserver.lengths``, the sending
+loop in ``labserver.loadworker``, the records and their files in ``labserver.loadresult``.
 
 This module talks HTTP only (``labserver.loadclient``) and reads the server's
 timing headers by name (``labserver.wire``); it can load any URL. By default it
@@ -23,42 +29,33 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import math
 import pickle
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import pandas as pd
 
+from labserver import wire
 from labserver.arrivals import Arrival, PayloadLike, make_arrival, take_payloads
+from labserver.lengths import LengthsLike, make_lengths, take_lengths
 from labserver.loadclient import CLIENTS, check_target
-from labserver.loadworker import (PROBE_FIELDS, ROW_FIELDS, Plan, run_here, run_in_processes,
-                                  run_on_fresh_loop)
+from labserver.loadresult import PROBE_COLUMNS, RECORD_COLUMNS, TOKEN_COLUMNS, LoadResult, build_records
+from labserver.loadworker import Plan, run_here, run_in_processes, run_on_fresh_loop
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LATE_MS", "LoadResult", "LoadSpec", "RECORD_COLUMNS", "run_load", "run_load_sync"]
+__all__ = ["LATE_MS", "LoadResult", "LoadSpec", "RECORD_COLUMNS", "TOKEN_COLUMNS", "run_load", "run_load_sync"]
 
 LATE_MS = 1.0  # a send this much after its scheduled time counts as late
 LATE_FRACTION = 0.01  # more late sends than this and the run says the generator fell behind
-
-RECORD_COLUMNS: dict[str, str] = {  # column -> dtype, in order
-    "i": "int64", "process": "int64", "scheduled_s": "float64", "sent_s": "float64",
-    "done_s": "float64", "status": "int64", "error": "str", "latency_ms": "float64",
-    "send_latency_ms": "float64", "late_ms": "float64", "warmup": "bool", "input_chars": "int64",
-    "queue_ms": "float64", "compute_ms": "float64", "batch_size": "Int64", "batch_id": "Int64",
-    "dispatch": "str", "server_ms": "float64", "request_id": "str",
-}
-PROBE_COLUMNS = PROBE_FIELDS
 
 
 @dataclass
@@ -72,9 +69,12 @@ class LoadSpec:
     max_requests: int | None = None  # at least one of duration_s / max_requests
     users: int | None = None  # closed loop: this many users instead of an arrival process
     think_s: float = 0.0  # closed loop: pause between a user's answer and its next send
-    payload: PayloadLike = "hello world"  # str, WordTexts, FileLines/Path, or any iterable
-    mode: str = "text"  # "text": POST text/plain body; "json": POST {"inputs": text}
-    path: str | None = None  # None -> url's own path, else "/" (text) or "/predict" (json)
+    payload: PayloadLike = "hello world"  # str, WordTexts, FileLines/Path, or any iterable (generate: prompts)
+    mode: str = "text"  # "text": POST text/plain body; "json": POST {"inputs": text}; "generate": POST {"prompt", ...}
+    path: str | None = None  # None -> url's own path, else "/" (text), "/predict" (json), "/generate"
+    new_tokens: LengthsLike = 64  # generate: max_new_tokens, an int, a Lengths or a list to replay
+    stream: bool = True  # generate: ask for server-sent events (else one JSON answer)
+    ignore_eos: bool = True  # generate: ask the model to run to max_new_tokens
     warmup_s: float = 0.0  # requests scheduled before this are recorded but flagged
     seed: int = 0
     timeout_s: float = 60.0  # per request, connect to last byte
@@ -91,7 +91,7 @@ class LoadSpec:
 
     def __post_init__(self) -> None:
         check_target(self.url, self.allow_remote)
-        choices = {"mode": ("text", "json"), "overflow": ("error", "wait"), "client": tuple(CLIENTS)}
+        choices = {"mode": ("text", "json", "generate"), "overflow": ("error", "wait"), "client": tuple(CLIENTS)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -105,65 +105,20 @@ class LoadSpec:
             raise ValueError("processes must be >= 1, and process=True to use more than one")
         if self.max_in_flight < self.processes:
             raise ValueError("max_in_flight must be at least the number of processes")
+        if self.mode == "generate":
+            make_lengths(self.new_tokens)  # fails now, with what to pass, rather than in a worker
+            if self.client != "raw":
+                raise ValueError("mode='generate' needs client='raw': only it times each token event")
 
     def target_url(self) -> str:
         parts = urlsplit(self.url)
         path = self.path or (parts.path if parts.path not in ("", "/") else None)
-        path = path or ("/" if self.mode == "text" else "/predict")
+        path = path or {"text": "/", "json": "/predict", "generate": wire.GENERATE_PATH}[self.mode]
         return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
     def probe_url(self) -> str:
         parts = urlsplit(self.url)
         return urlunsplit((parts.scheme, parts.netloc, self.probe_path, "", ""))
-
-
-@dataclass
-class LoadResult:
-    records: pd.DataFrame  # one row per request, columns RECORD_COLUMNS
-    meta: dict[str, Any]
-    warnings: list[str] = field(default_factory=list)
-    probes: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PROBE_COLUMNS))
-
-    @property
-    def measured(self) -> pd.DataFrame:
-        """The records after warm-up: what summaries are made of."""
-        return self.records[~self.records["warmup"]]
-
-    def summary(self) -> dict[str, Any]:
-        """A flat dict over the measured (non-warm-up) requests."""
-        m = self.measured
-        ok = m[(m["status"] // 100 == 2) & (m["error"] == "")]
-        done_span = _span(ok["done_s"])
-        lat, send = ok["latency_ms"], ok["send_latency_ms"]
-        return {
-            "requests": len(m), "warmup_requests": int(self.records["warmup"].sum()),
-            "ok": len(ok), "errors": len(m) - len(ok),
-            "error_kinds": m.loc[m["error"] != "", "error"].value_counts().to_dict(),
-            "latency_ms_p50": _quantile(lat, 0.5), "latency_ms_p90": _quantile(lat, 0.9),
-            "latency_ms_p99": _quantile(lat, 0.99), "latency_ms_max": _quantile(lat, 1.0),
-            "send_latency_ms_p50": _quantile(send, 0.5), "send_latency_ms_p99": _quantile(send, 0.99),
-            "throughput_per_s": (len(ok) - 1) / done_span if done_span > 0 else math.nan,
-            "achieved_send_rate_per_s": self.meta.get("achieved_send_rate_per_s"),
-        }
-
-    def to_csv(self, path: str | Path) -> Path:
-        """Write the records to ``path`` and meta, warnings and probes to ``path``.json."""
-        path = Path(path)
-        self.records.to_csv(path, index=False)
-        side = {"meta": self.meta, "warnings": self.warnings, "probes": self.probes.to_dict("list")}
-        _sidecar(path).write_text(json.dumps(side, indent=1, default=_jsonable))
-        return path
-
-    @classmethod
-    def from_csv(cls, path: str | Path) -> LoadResult:
-        path = Path(path)
-        # an empty cell is a missing value, except in "error" where it means "no error"
-        raw = pd.read_csv(path, keep_default_na=False,
-                          na_values={c: [""] for c in RECORD_COLUMNS if c != "error"})
-        records = _typed(raw)
-        side = json.loads(_sidecar(path).read_text()) if _sidecar(path).exists() else {}
-        probes = pd.DataFrame(side.get("probes") or {c: [] for c in PROBE_COLUMNS})
-        return cls(records, side.get("meta", {}), side.get("warnings", []), probes)
 
 
 async def run_load(url: str | LoadSpec, **options: Any) -> LoadResult:
@@ -192,14 +147,14 @@ async def run_load(url: str | LoadSpec, **options: Any) -> LoadResult:
             outs = [await run_here(plans[0], bar.set)]
     finally:
         bar.close()
-    records = _records(outs, spec.warmup_s, closed=bool(spec.users))
+    records, tokens = build_records(outs, spec.warmup_s, closed=bool(spec.users))
     probes = pd.DataFrame([p for o in outs for p in o["probes"]], columns=PROBE_COLUMNS)
     meta, warnings = _assess(spec, arrival, records)
     meta.update(started_at=started.isoformat(), elapsed_s=time.perf_counter() - t_wall,
                 t0_unix_s=min((o["t0_unix_s"] for o in outs), default=math.nan))
     for w in warnings:
         logger.warning(w)
-    return LoadResult(records, meta, warnings, probes.sort_values("t_s", ignore_index=True))
+    return LoadResult(records, meta, warnings, probes.sort_values("t_s", ignore_index=True), tokens)
 
 
 def run_load_sync(url: str | LoadSpec, **options: Any) -> LoadResult:
@@ -234,7 +189,9 @@ def run_load_sync(url: str | LoadSpec, **options: Any) -> LoadResult:
 def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
     n_proc = spec.processes if spec.process else 1
     base = dict(url=spec.target_url(), mode=spec.mode, client=spec.client, timeout_s=spec.timeout_s,
-                overflow=spec.overflow, drain_s=spec.drain_s, seed=spec.seed)
+                overflow=spec.overflow, drain_s=spec.drain_s, seed=spec.seed, stream=spec.stream,
+                ignore_eos=spec.ignore_eos)
+    generate = spec.mode == "generate"
     plans: list[Plan] = []
     if spec.users:
         texts: list[str] = []
@@ -249,17 +206,19 @@ def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
                               texts=texts[w::n_proc], users=len(range(w, spec.users, n_proc)),
                               think_s=spec.think_s, duration_s=spec.duration_s or math.inf,
                               max_requests=share, payload=None if texts else spec.payload,
-                              max_in_flight=spec.users, **base))
+                              max_in_flight=spec.users, lengths=make_lengths(spec.new_tokens) if generate else None,
+                              **base))
         arrival = None
     else:
         arrival = make_arrival(spec.arrival or "poisson", spec.rate_per_s)
         times = arrival.times(spec.duration_s, spec.max_requests, seed=spec.seed)
         texts = take_payloads(spec.payload, len(times), seed=[spec.seed, 1])
+        sizes = take_lengths(spec.new_tokens, len(times), seed=[spec.seed, 2]) if generate else None
         index = np.arange(len(times))
         for w in range(n_proc):  # round-robin keeps every process's share evenly spread in time
             plans.append(Plan(worker=w, index=index[w::n_proc], scheduled_s=times[w::n_proc],
                               texts=texts[w::n_proc], max_in_flight=-(-spec.max_in_flight // n_proc),
-                              **base))
+                              new_tokens=sizes[w::n_proc] if generate else None, **base))
     if spec.probe_interval_s:
         plans[0].probe_url, plans[0].probe_interval_s = spec.probe_url(), spec.probe_interval_s
     return [p for p in plans if p.users or len(p.scheduled_s) or p.probe_url], arrival
@@ -274,38 +233,6 @@ def _picklable(obj: Any) -> bool:
 
 
 # --- records, checks, small helpers ------------------------------------------------------
-
-def _records(outs: list[dict[str, Any]], warmup_s: float, *, closed: bool) -> pd.DataFrame:
-    df = pd.DataFrame([r for o in outs for r in o["rows"]], columns=ROW_FIELDS)
-    if closed:  # numbered in the order the users meant to send
-        df = df.sort_values(["scheduled_s", "process"], kind="stable", ignore_index=True)
-        df["i"] = np.arange(len(df))
-    df = df.sort_values("i", ignore_index=True)
-    df["latency_ms"] = (df["done_s"] - df["scheduled_s"]) * 1e3
-    df["send_latency_ms"] = (df["done_s"] - df["sent_s"]) * 1e3
-    df["late_ms"] = (df["sent_s"] - df["scheduled_s"]) * 1e3
-    df["warmup"] = df["scheduled_s"] < warmup_s
-    return _typed(df)
-
-
-def _typed(df: pd.DataFrame) -> pd.DataFrame:
-    out = {}
-    for col, dtype in RECORD_COLUMNS.items():
-        s = df[col]
-        if col == "error":
-            s = s.fillna("").astype("str")
-        elif dtype == "str":
-            s = s.astype("str").where(s.notna())
-        elif dtype == "Int64":
-            num = pd.to_numeric(s, errors="coerce")
-            s = num.where(num == num.round()).astype("Int64")
-        elif dtype == "bool" and s.dtype == object:
-            s = s.map({"True": True, "False": False, True: True, False: False}).astype(bool)
-        else:
-            s = pd.to_numeric(s, errors="coerce").astype(dtype)
-        out[col] = s
-    return pd.DataFrame(out).reset_index(drop=True)
-
 
 def _assess(spec: LoadSpec, arrival: Arrival | None, records: pd.DataFrame) -> tuple[dict, list[str]]:
     measured = records[~records["warmup"]]
@@ -356,10 +283,6 @@ def _target_rate(arrival: Arrival, duration_s: float | None, scheduled_rate: flo
     return scheduled_rate if nominal is None else nominal
 
 
-def _quantile(values: pd.Series, q: float) -> float:
-    return float(values.quantile(q)) if len(values) else math.nan
-
-
 def _plain(value: Any) -> Any:
     """Keep JSON-friendly settings as they are; describe the rest (a generator, an Arrival,
     a list of payloads) in a line."""
@@ -376,16 +299,6 @@ def _rate(times_s: pd.Series) -> float:
 
 def _span(times_s: pd.Series) -> float:
     return float(times_s.max() - times_s.min()) if len(times_s) > 1 else 0.0
-
-
-def _sidecar(path: Path) -> Path:
-    return path.with_name(path.name + ".json")
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return repr(obj)
 
 
 class _Progress:

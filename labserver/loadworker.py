@@ -5,7 +5,8 @@ several spawned ones.
 scheduled times, payloads, or closed-loop users) and turns the rows that come back
 into records. This module only sends on time and writes down what happened, one
 tuple per request (``ROW_FIELDS``), as cheaply as it can: at 1000 requests/s every
-microsecond of bookkeeping is a tenth of a percent of a core.
+microsecond of bookkeeping is a tenth of a percent of a core. A generation request
+(mode "generate") also carries its token arrival times in the row, as a list.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import numpy as np
 
 from labserver import wire
 from labserver.arrivals import iter_payloads
-from labserver.loadclient import CLIENTS, RequestFailed
+from labserver.lengths import iter_lengths
+from labserver.loadclient import CLIENTS, GenClient, RequestFailed
+from labserver.sse import GenAnswer
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +53,15 @@ HEADER_COLUMNS = {
     "dispatch": wire.HEADER_DISPATCH, "server_ms": wire.HEADER_SERVER_MS,
     "request_id": wire.HEADER_REQUEST_ID,
 }
+# what a generation answer adds (None/NaN for other modes); token_s is a list of client-clock
+# times (s from the run's start), one per token event, that loadgen turns into its tokens frame
+GEN_FIELDS = ("first_token_s", "n_tokens", "max_new_tokens", "finish_reason", "token_s")
 ROW_FIELDS = ("i", "process", "scheduled_s", "sent_s", "done_s", "status", "error", "input_chars",
-              *HEADER_COLUMNS)
+              *HEADER_COLUMNS, *GEN_FIELDS)
 PROBE_FIELDS = ("t_s", "latency_ms", "status", "error")
 _NO_HEADERS = (None,) * len(HEADER_COLUMNS)
+_NO_GEN = (math.nan, None, None, "", None)
+_TIMING_COLUMNS = ("queue_ms", "server_ms")  # taken from a generation answer's "timing" when there
 
 
 def run_on_fresh_loop(make_coro, sockets: int | None = None, rate_per_s: float = 0.0):
@@ -132,6 +140,10 @@ class Plan:
     seed: int = 0
     probe_url: str | None = None
     probe_interval_s: float | None = None
+    new_tokens: np.ndarray | None = None  # mode "generate", open loop: max_new_tokens per request
+    lengths: Any = None  # mode "generate", closed loop: a Lengths to draw from as it goes
+    stream: bool = True  # mode "generate": ask for server-sent events
+    ignore_eos: bool = True  # mode "generate": ask for exactly max_new_tokens
 
     def mean_gap_s(self) -> float:
         s = self.scheduled_s
@@ -152,19 +164,27 @@ class Worker:
         self.plan, self.counter = plan, counter
         self.rows: list[tuple] = []
         self.probes: list[tuple] = []
-        self.bodies = [self._body(t) for t in plan.texts] if not plan.users else []
+        self.gen = plan.mode == "generate"
+        if plan.users:
+            self.bodies = []
+        else:  # built before the run: json.dumps is not free at 1000 requests/s
+            sizes = plan.new_tokens if self.gen else [None] * len(plan.texts)
+            self.bodies = [self._body(t, n) for t, n in zip(plan.texts, sizes)]
         self.t0 = 0.0
         self.spin_s = 0.0
 
-    def _body(self, text: str) -> bytes:
+    def _body(self, text: str, new_tokens: int | None = None) -> bytes:
+        if self.gen:
+            return json.dumps({"prompt": text, "max_new_tokens": int(new_tokens), "stream": self.plan.stream,
+                               "ignore_eos": self.plan.ignore_eos}).encode()
         if self.plan.mode == "json":
             return json.dumps({"inputs": text}).encode()
         return text.encode()
 
     def _client(self, url: str, method: str):
-        kind = CLIENTS[self.plan.client]
+        kind = GenClient if self.gen and method == "POST" else CLIENTS[self.plan.client]
         content_type = None if method == "GET" else (
-            "application/json" if self.plan.mode == "json" else "text/plain; charset=utf-8")
+            "text/plain; charset=utf-8" if self.plan.mode == "text" else "application/json")
         extra = {"max_connections": self.plan.max_in_flight} if self.plan.client == "httpx" else {}
         return kind(url, method=method, content_type=content_type, timeout_s=self.plan.timeout_s, **extra)
 
@@ -194,13 +214,18 @@ class Worker:
             # the last stretch: yield to let responses in meanwhile (unlike a blocking sleep)
             await asyncio.sleep(0 if spin else left)
 
-    async def _send(self, client, i: int, scheduled_s: float, body: bytes, chars: int) -> float:
+    async def _send(self, client, i: int, scheduled_s: float, body: bytes, chars: int,
+                    new_tokens: int | None = None) -> float:
         sent = time.perf_counter() - self.t0
-        status, headers, error = 0, None, ""
+        status, headers, error, answer = 0, None, "", None
         try:
-            status, headers = await client.request(body)
+            if new_tokens is None:
+                status, headers = await client.request(body)
+            else:
+                answer = await client.request(body)
         except RequestFailed as exc:
             error = exc.kind
+            answer = exc.partial
         except asyncio.CancelledError:
             error = "cancelled"
             raise
@@ -209,28 +234,50 @@ class Worker:
             error = type(exc).__name__.lower()
         finally:
             done = time.perf_counter() - self.t0
-            hdr = [headers.get(h) for h in HEADER_COLUMNS.values()] if headers else _NO_HEADERS
-            self.rows.append((i, self.plan.worker, scheduled_s, sent, done, status, error, chars, *hdr))
+            if new_tokens is None:
+                hdr = [headers.get(h) for h in HEADER_COLUMNS.values()] if headers else _NO_HEADERS
+                self.rows.append((i, self.plan.worker, scheduled_s, sent, done, status, error, chars, *hdr,
+                                  *_NO_GEN))
+            else:
+                self.rows.append(self._gen_row(i, scheduled_s, sent, done, error, chars, new_tokens, answer))
             self.counter.value += 1
         return done
+
+    def _gen_row(self, i: int, scheduled_s: float, sent: float, done: float, error: str, chars: int,
+                 new_tokens: int, answer: GenAnswer | None) -> tuple:
+        if answer is None:  # no response at all
+            return (i, self.plan.worker, scheduled_s, sent, done, 0, error, chars, *_NO_HEADERS,
+                    math.nan, 0, new_tokens, "", None)
+        kind, first_s, n_tokens, finish = answer.outcome(done, self.t0)
+        if error == "disconnect" and answer.event_stream:  # dropped after the headers: the stream broke off
+            error = "stream_incomplete"
+        error = error or kind  # a transport failure (timeout, ...) names the row before the stream's state
+        fields = {col: answer.headers.get(h) for col, h in HEADER_COLUMNS.items()}
+        timing = answer.timing()
+        fields.update({col: timing[col] for col in _TIMING_COLUMNS if timing.get(col) is not None})
+        token_s = [t - self.t0 for t in answer.token_s]
+        return (i, self.plan.worker, scheduled_s, sent, done, answer.status, error, chars, *fields.values(),
+                first_s, n_tokens, new_tokens, finish, token_s)
 
     async def _open(self, client) -> None:
         p = self.plan
         limit = asyncio.Semaphore(p.max_in_flight)
         tasks: set[asyncio.Task] = set()
+        asked = p.new_tokens.tolist() if self.gen else [None] * len(p.texts)
 
         async def one(k: int) -> None:
             try:
                 await self._send(client, int(p.index[k]), float(p.scheduled_s[k]), self.bodies[k],
-                                 len(p.texts[k]))
+                                 len(p.texts[k]), asked[k])
             finally:
                 limit.release()
 
         for k, s in enumerate(p.scheduled_s.tolist()):
             await self._until(s)
             if limit.locked() and p.overflow == "error":
+                gen = (math.nan, 0, asked[k], "", None) if self.gen else _NO_GEN
                 self.rows.append((int(p.index[k]), p.worker, s, math.nan, math.nan, 0, "client_overflow",
-                                  len(p.texts[k]), *_NO_HEADERS))
+                                  len(p.texts[k]), *_NO_HEADERS, *gen))
                 self.counter.value += 1
                 continue
             await limit.acquire()  # returns at once unless overflow == "wait" and we are full
@@ -246,6 +293,7 @@ class Worker:
     async def _closed(self, client) -> None:
         p = self.plan
         texts = iter_payloads(p.texts or p.payload, seed=[p.seed, 1, p.worker])
+        sizes = iter_lengths(p.lengths, seed=[p.seed, 2, p.worker]) if self.gen else None
         left = [math.inf if p.max_requests is None else p.max_requests]
 
         async def user() -> None:
@@ -253,8 +301,8 @@ class Worker:
             while next_s < p.duration_s and left[0] > 0:
                 left[0] -= 1
                 await self._until(next_s)
-                text = next(texts)
-                done = await self._send(client, -1, next_s, self._body(text), len(text))
+                text, n = next(texts), next(sizes) if sizes else None
+                done = await self._send(client, -1, next_s, self._body(text, n), len(text), n)
                 next_s = done + p.think_s
 
         await asyncio.gather(*(user() for _ in range(p.users)))

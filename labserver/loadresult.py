@@ -1,0 +1,198 @@
+"""What a load run leaves behind: the records frame, the tokens frame, and their files.
+
+``LoadResult.records`` has one row per request (``RECORD_COLUMNS``, in order, one
+schema for every mode: the generation columns are NaN, NA or "" for other runs).
+A generation run also fills ``LoadResult.tokens``, one row per token event received
+(``TOKEN_COLUMNS``: the request's ``i``, the token's index ``k`` and its client-clock
+arrival ``t_s``), so inter-token gaps are ``tokens.groupby("i")["t_s"].diff()``.
+
+Times in both are seconds from the run's start in the generator's clock, and every
+latency-like column counts from the *scheduled* send (no coordinated omission):
+``latency_ms`` to the last byte, ``ttft_ms`` to the first token event. ``tpot_ms``
+is vLLM's time per output token, ``(done_s - first_token_s) / (n_tokens - 1)``;
+for a one-piece (non-stream) answer the first token is taken to arrive with the
+rest, so its TTFT is its latency and its TPOT is 0, as in vLLM's benchmark.
+
+This module builds and stores frames; it sends nothing (``labserver.loadgen``) and
+does no statistics beyond ``LoadResult.summary`` (``labserver.analysis``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from labserver.loadworker import PROBE_FIELDS, ROW_FIELDS
+
+__all__ = ["LoadResult", "PROBE_COLUMNS", "RECORD_COLUMNS", "TOKEN_COLUMNS", "build_records"]
+
+RECORD_COLUMNS: dict[str, str] = {  # column -> dtype, in order
+    "i": "int64", "process": "int64", "scheduled_s": "float64", "sent_s": "float64",
+    "done_s": "float64", "status": "int64", "error": "str", "latency_ms": "float64",
+    "send_latency_ms": "float64", "late_ms": "float64", "warmup": "bool", "input_chars": "int64",
+    "queue_ms": "float64", "compute_ms": "float64", "batch_size": "Int64", "batch_id": "Int64",
+    "dispatch": "str", "server_ms": "float64", "request_id": "str",
+    # generation (mode "generate"); for a stream, queue_ms and server_ms come from its done event
+    "first_token_s": "float64",  # first token event (one-piece answer: done_s), s
+    "n_tokens": "Int64",  # token events received (one-piece answer: its generated_tokens)
+    "max_new_tokens": "Int64",  # tokens asked for
+    "finish_reason": "str",  # "length", "eos", ...; "" when none came
+    "ttft_ms": "float64",  # first_token_s - scheduled_s
+    "tpot_ms": "float64",  # (done_s - first_token_s) / (n_tokens - 1); NaN below 2 tokens
+}
+_EMPTY_IS_NONE = ("error", "finish_reason")  # text columns where "" means "none", never missing
+TOKEN_COLUMNS: dict[str, str] = {"i": "int64", "k": "int64", "t_s": "float64"}
+PROBE_COLUMNS = PROBE_FIELDS
+
+
+def _empty_tokens() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=d) for c, d in TOKEN_COLUMNS.items()})
+
+
+@dataclass
+class LoadResult:
+    records: pd.DataFrame  # one row per request, columns RECORD_COLUMNS
+    meta: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+    probes: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=PROBE_COLUMNS))
+    tokens: pd.DataFrame = field(default_factory=_empty_tokens)  # generation: one row per token event
+
+    @property
+    def measured(self) -> pd.DataFrame:
+        """The records after warm-up: what summaries are made of."""
+        return self.records[~self.records["warmup"]]
+
+    def summary(self) -> dict[str, Any]:
+        """A flat dict over the measured (non-warm-up) requests; a generation run adds
+        TTFT, TPOT and inter-token percentiles (ms) and its token counts."""
+        m = self.measured
+        ok = m[(m["status"] // 100 == 2) & (m["error"] == "")]
+        done_span = _span(ok["done_s"])
+        lat, send = ok["latency_ms"], ok["send_latency_ms"]
+        out = {
+            "requests": len(m), "warmup_requests": int(self.records["warmup"].sum()),
+            "ok": len(ok), "errors": len(m) - len(ok),
+            "error_kinds": m.loc[m["error"] != "", "error"].value_counts().to_dict(),
+            "latency_ms_p50": _quantile(lat, 0.5), "latency_ms_p90": _quantile(lat, 0.9),
+            "latency_ms_p99": _quantile(lat, 0.99), "latency_ms_max": _quantile(lat, 1.0),
+            "send_latency_ms_p50": _quantile(send, 0.5), "send_latency_ms_p99": _quantile(send, 0.99),
+            "throughput_per_s": (len(ok) - 1) / done_span if done_span > 0 else math.nan,
+            "achieved_send_rate_per_s": self.meta.get("achieved_send_rate_per_s"),
+        }
+        if "n_tokens" in m.columns and m["n_tokens"].notna().any():
+            tok = self.tokens[self.tokens["i"].isin(ok["i"])]
+            itl = tok.groupby("i")["t_s"].diff().dropna() * 1e3
+            tokens = int(ok["n_tokens"].sum())
+            span = float(ok["done_s"].max() - m["scheduled_s"].min()) if len(ok) else math.nan
+            out.update({
+                "ttft_ms_p50": _quantile(ok["ttft_ms"], 0.5), "ttft_ms_p99": _quantile(ok["ttft_ms"], 0.99),
+                "tpot_ms_p50": _quantile(ok["tpot_ms"], 0.5), "tpot_ms_p99": _quantile(ok["tpot_ms"], 0.99),
+                "itl_ms_p50": _quantile(itl, 0.5), "itl_ms_p99": _quantile(itl, 0.99),
+                "output_tokens": tokens,
+                "token_throughput_per_s": tokens / span if span > 0 else math.nan,
+            })
+        return out
+
+    def to_csv(self, path: str | Path) -> Path:
+        """Write the records to ``path``, meta, warnings and probes to ``path``.json and,
+        for a generation run, the tokens to ``path``.tokens.csv."""
+        path = Path(path)
+        self.records.to_csv(path, index=False)
+        side = {"meta": self.meta, "warnings": self.warnings, "probes": self.probes.to_dict("list")}
+        _sidecar(path, ".json").write_text(json.dumps(side, indent=1, default=_jsonable))
+        tokens_path = _sidecar(path, ".tokens.csv")
+        if len(self.tokens):
+            self.tokens.to_csv(tokens_path, index=False)
+        elif tokens_path.exists():
+            tokens_path.unlink()  # a stale one from an earlier run at this path would be read back
+        return path
+
+    @classmethod
+    def from_csv(cls, path: str | Path) -> LoadResult:
+        """Read what ``to_csv`` wrote; files from before a column existed load with it empty."""
+        path = Path(path)
+        # an empty cell is a missing value, except in "error" where it means "no error"
+        raw = pd.read_csv(path, keep_default_na=False,
+                          na_values={c: [""] for c in RECORD_COLUMNS if c not in _EMPTY_IS_NONE})
+        records = _typed(raw)
+        side_path = _sidecar(path, ".json")
+        side = json.loads(side_path.read_text()) if side_path.exists() else {}
+        probes = pd.DataFrame(side.get("probes") or {c: [] for c in PROBE_COLUMNS})
+        tokens_path = _sidecar(path, ".tokens.csv")
+        tokens = (pd.read_csv(tokens_path).astype(TOKEN_COLUMNS) if tokens_path.exists() else _empty_tokens())
+        return cls(records, side.get("meta", {}), side.get("warnings", []), probes, tokens)
+
+
+def build_records(outs: list[dict[str, Any]], warmup_s: float, *,
+                  closed: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The records and tokens frames from the generator processes' rows (``ROW_FIELDS``)."""
+    df = pd.DataFrame([r for o in outs for r in o["rows"]], columns=ROW_FIELDS)
+    if closed:  # numbered in the order the users meant to send
+        df = df.sort_values(["scheduled_s", "process"], kind="stable", ignore_index=True)
+        df["i"] = np.arange(len(df))
+    df = df.sort_values("i", ignore_index=True)
+    df["latency_ms"] = (df["done_s"] - df["scheduled_s"]) * 1e3
+    df["send_latency_ms"] = (df["done_s"] - df["sent_s"]) * 1e3
+    df["late_ms"] = (df["sent_s"] - df["scheduled_s"]) * 1e3
+    df["warmup"] = df["scheduled_s"] < warmup_s
+    first_s = pd.to_numeric(df["first_token_s"], errors="coerce")
+    n = pd.to_numeric(df["n_tokens"], errors="coerce")
+    df["ttft_ms"] = (first_s - df["scheduled_s"]) * 1e3
+    df["tpot_ms"] = ((df["done_s"] - first_s) * 1e3 / (n - 1)).where(n > 1)
+    return _typed(df), _tokens(df["i"].to_numpy(), df["token_s"].tolist())
+
+
+def _tokens(ids: np.ndarray, times: list[list[float] | None]) -> pd.DataFrame:
+    counts = np.array([len(t) if t else 0 for t in times], dtype=np.int64)
+    if not counts.sum():
+        return _empty_tokens()
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return pd.DataFrame({
+        "i": np.repeat(ids.astype(np.int64), counts),
+        "k": np.arange(counts.sum(), dtype=np.int64) - starts,
+        "t_s": np.concatenate([np.asarray(t, dtype=float) for t in times if t]),
+    })
+
+
+def _typed(df: pd.DataFrame) -> pd.DataFrame:
+    out = {}
+    for col, dtype in RECORD_COLUMNS.items():
+        s = df[col] if col in df.columns else pd.Series(None, index=df.index, dtype=object)  # an older file
+        if col in _EMPTY_IS_NONE:
+            s = s.fillna("").astype("str")
+        elif dtype == "str":
+            s = s.astype("str").where(s.notna())
+        elif dtype == "Int64":
+            num = pd.to_numeric(s, errors="coerce")
+            s = num.where(num == num.round()).astype("Int64")
+        elif dtype == "bool" and s.dtype == object:
+            s = s.map({"True": True, "False": False, True: True, False: False}).astype(bool)
+        else:
+            s = pd.to_numeric(s, errors="coerce").astype(dtype)
+        out[col] = s
+    return pd.DataFrame(out).reset_index(drop=True)
+
+
+def _quantile(values: pd.Series, q: float) -> float:
+    values = values.dropna()
+    return float(values.quantile(q)) if len(values) else math.nan
+
+
+def _span(times_s: pd.Series) -> float:
+    return float(times_s.max() - times_s.min()) if len(times_s) > 1 else 0.0
+
+
+def _sidecar(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return repr(obj)
