@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .config import DEFAULT_MODEL, DEFAULT_STRATEGY, ServerConfig
+from .config import DEFAULT_STRATEGY, ServerConfig, default_model
 from .engine import Limits
 from .strategies import strategy_names
 
@@ -18,10 +18,10 @@ _CONFIG = ServerConfig()
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
+    p.add_argument("--model", default=None,
                    help="minilm (embedded default), bert-base-random, synthetic:BASE+PER_ITEM, echo, "
-                        "or a Hugging Face id / local folder; for gen-* strategies: gpt2-random, "
-                        "gpt2-tiny-random, synthetic-gen:PREFILL+STEP (default: %(default)s)")
+                        "or a Hugging Face id / local folder; for gen-* strategies: gpt2-random (their "
+                        "default), gpt2-tiny-random, synthetic-gen:PREFILL+STEP")
     p.add_argument("--task", default=None, help="pipeline task for a hub id or folder")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="(default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
@@ -66,7 +66,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .launch import PortInUse, run_forever
 
     config = ServerConfig(
-        strategy=args.strategy, model=args.model, device=args.device, dtype=args.dtype, task=args.task,
+        strategy=args.strategy, model=args.model or default_model(args.strategy), device=args.device,
+        dtype=args.dtype, task=args.task,
         limits=limits_from(args), host=args.host, port=args.port, debug=args.debug,
         max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_chars=args.max_chars,
         max_new_tokens=args.max_new_tokens, log_level=args.log_level,
@@ -88,6 +89,9 @@ def _rates(text: str) -> list[float]:
 def cmd_compare(args: argparse.Namespace) -> int:
     from datetime import datetime
 
+    out = Path(args.out) if args.out else Path("results") / datetime.now().strftime("compare-%Y%m%d-%H%M%S")
+    if args.task == "generate":
+        return _compare_generate(args, out)
     from . import experiment
 
     overrides = {k: v for k, v in dict(
@@ -96,7 +100,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
         max_batch_size=args.max_batch, slo_ms=args.slo_ms,
     ).items() if v is not None}
     cfg = experiment.CompareConfig.quick(**overrides) if args.quick else experiment.CompareConfig(**overrides)
-    out = Path(args.out) if args.out else Path("results") / datetime.now().strftime("compare-%Y%m%d-%H%M%S")
     print(f"labserver compare: {', '.join(cfg.strategies)} on {cfg.model}, rates {list(cfg.rates)} req/s, "
           f"{cfg.duration_s:g}+{cfg.warmup_s:g} s each -> {out}", file=sys.stderr)
 
@@ -114,15 +117,46 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plot(args: argparse.Namespace) -> int:
-    from . import experiment
+def _compare_generate(args: argparse.Namespace, out: Path) -> int:
+    from . import genexperiment as gx
 
-    for path in experiment.draw(args.results_dir):
+    overrides = {k: v for k, v in dict(
+        strategies=args.strategies.split(",") if args.strategies else None, model=args.model,
+        device=args.device, rates=_rates(args.rates) if args.rates else None, duration_s=args.duration,
+        max_batch_size=args.max_batch, ttft_slo_ms=args.slo_ms,
+    ).items() if v is not None}
+    cfg = gx.GenCompareConfig.quick(**overrides) if args.quick else gx.GenCompareConfig(**overrides)
+    print(f"labserver compare --task generate: {', '.join(cfg.strategies)} on {cfg.model}, rates "
+          f"{list(cfg.rates)} req/s, {cfg.duration_s:g}+{cfg.warmup_s:g} s each, outputs of "
+          f"{cfg.min_tokens}-{cfg.max_tokens} tokens -> {out}", file=sys.stderr)
+
+    def progress(name: str, rate: float, result: Any) -> None:
+        s = result.summary()
+        print(f"  {name:>14} @ {rate:>5g}/s: ok {s['ok']}/{s['requests']}, TTFT p50 {s.get('ttft_ms_p50', 0):.0f} "
+              f"ms, p99 {s.get('ttft_ms_p99', 0):.0f} ms, {s.get('token_throughput_per_s', 0):.1f} tokens/s",
+              file=sys.stderr)
+
+    runs, summary = gx.compare(cfg, out, on_run=progress)
+    print(gx.table(summary))
+    for w in runs.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(f"wrote {out}/: records.csv, tokens.csv, steps.csv, summary.json, summary.csv, machine.json and PNG "
+          "plots", file=sys.stderr)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from . import experiment, genexperiment
+
+    generated = (Path(args.results_dir) / "tokens.csv").exists()
+    for path in (genexperiment if generated else experiment).draw(args.results_dir):
         print(path)
     return 0
 
 
 def _load_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.mode is None:
+        args.mode = "generate" if (args.strategy or "").startswith("gen-") else "text"
     opts: dict[str, Any] = dict(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
                                 mode=args.mode, processes=args.processes, allow_remote=args.allow_remote)
     if args.concurrency:
@@ -137,7 +171,18 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         from .arrivals import WordTexts
 
         opts["payload"] = WordTexts(min_words=8, max_words=24)
+    if args.mode == "generate":
+        from .lengths import parse_lengths
+
+        opts.update(new_tokens=parse_lengths(args.new_tokens), stream=not args.no_stream, timeout_s=600.0)
     return opts
+
+
+def _summary(args: argparse.Namespace, result: Any) -> Any:
+    from . import analysis
+
+    return analysis.summarize(result.records, slo_ms=args.slo_ms, meta=result.meta, tokens=result.tokens,
+                              ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
 
 
 def _target(args: argparse.Namespace) -> tuple[str, Any]:
@@ -146,13 +191,12 @@ def _target(args: argparse.Namespace) -> tuple[str, Any]:
         return args.url, None
     from .launch import serve
 
-    handle = serve(args.strategy, args.model, device=args.device, dtype=args.dtype, task=args.task,
+    handle = serve(args.strategy, args.model or default_model(args.strategy), device=args.device, dtype=args.dtype, task=args.task,
                    **vars(limits_from(args)))
     return handle.url, handle
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import analysis
     from .loadgen import run_load_sync
 
     if not args.concurrency and not args.rate:
@@ -163,13 +207,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     finally:
         if handle is not None:
             handle.stop()
-    summary = analysis.summarize(result.records, slo_ms=args.slo_ms, meta=result.meta)
+    summary = _summary(args, result)
     print(summary.to_string(float_format=lambda x: f"{x:.4g}"))
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if args.out:
-        result.to_csv(args.out)
-        print(f"wrote {args.out} (+ .json with meta and warnings)", file=sys.stderr)
+        written = result.save(args.out, summary.to_dict())
+        print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     return 0
 
 
@@ -181,20 +225,23 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     opts = _load_options(args)
     opts.pop("users", None)
 
+    metric = "ttft_p99_ms" if args.mode == "generate" else "p99_ms"  # generation: the SLO is on the first token
+
     def at_rate(rate: float) -> Any:
         result = run_load_sync(url, **{**opts, "arrival": args.arrival, "rate_per_s": rate})
-        print(f"  {rate:8.1f}/s: p99 {result.summary()['latency_ms_p99']:.1f} ms", file=sys.stderr)
+        print(f"  {rate:8.2f}/s: {metric} {_summary(args, result)[metric]:.1f} ms", file=sys.stderr)
         return result.records, result.meta
 
     try:
-        found = analysis.sweep(at_rate, args.slo_p99_ms, args.start_rate, rel_tol=args.tolerance)
+        found = analysis.sweep(at_rate, args.slo_p99_ms, args.start_rate, rel_tol=args.tolerance, metric=metric)
     finally:
         if handle is not None:
             handle.stop()
-    cols = [c for c in ("step", "phase", "rate", "passed", "throughput_rps", "p50_ms", "p99_ms", "error_frac")
-            if c in found.probes]
+    cols = [c for c in ("step", "phase", "rate", "passed", "throughput_rps", "p50_ms", "p99_ms", "ttft_p99_ms",
+                        "token_throughput_tps", "error_frac") if c in found.probes]
     print(found.probes[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}"))
-    print(f"highest rate meeting p99 <= {args.slo_p99_ms:g} ms: {found.best_rate:.1f} req/s")
+    best = "none" if found.best_rate is None else f"{found.best_rate:.2f} req/s"
+    print(f"highest rate meeting {metric} <= {args.slo_p99_ms:g} ms: {best}")
     if args.out:
         found.probes.to_csv(args.out, index=False)
     return 0
@@ -209,13 +256,21 @@ def add_load_args(p: argparse.ArgumentParser, rate_required: bool = False) -> No
     p.add_argument("--arrival", default="poisson", choices=["poisson", "constant"], help="(default: %(default)s)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of sending (default: %(default)s)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds left out of the summary (default: %(default)s)")
-    p.add_argument("--mode", default="text", choices=["text", "json"], help="POST / text, or /predict JSON")
+    p.add_argument("--mode", default=None, choices=["text", "json", "generate"],
+                   help="POST / text, /predict JSON, or /generate (default: text; generate for gen-* strategies)")
+    p.add_argument("--new-tokens", default="uniform:16:256",
+                   help="generate: tokens each request asks for: N, uniform:LO:HI, geometric:MEAN[:LO:HI] or "
+                        "replay:FILE (default: %(default)s)")
+    p.add_argument("--no-stream", action="store_true", help="generate: one JSON answer instead of a token stream")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="generate: goodput needs TTFT within this")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="generate: goodput needs TPOT within this")
     p.add_argument("--payload-file", help="send the lines of this file (default: seeded 8-24 word sentences)")
     p.add_argument("--processes", type=int, default=1, help="load generator processes (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ms", type=float, default=None, help="goodput: answers within this count")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url (mind whose it is)")
-    p.add_argument("--out", help="write the result here (CSV)")
+    p.add_argument("--out", help="write the result: x.csv (records + x.csv.json with the summary), x.json "
+                                 "(summary, meta, warnings), x.parquet, or a folder")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("compare", help="the main job: every strategy, same load, table + results/ + plots")
+    p.add_argument("--task", default="encode", choices=["encode", "generate"],
+                   help="encode: the encoder strategies on minilm; generate: the gen-* strategies on gpt2-random")
     p.add_argument("--quick", action="store_true", help="about a minute instead of about five")
     p.add_argument("--strategies", help="comma-separated (default: all four)")
     p.add_argument("--model", default=None, help="(default: minilm, the embedded model)")
@@ -244,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", help="comma-separated offered req/s (default: 25,100,200,300; quick: 25,200)")
     p.add_argument("--duration", type=float, default=None, help="measured seconds per run")
     p.add_argument("--max-batch", type=int, default=None, help="(default: 64)")
-    p.add_argument("--slo-ms", type=float, default=None, help="goodput SLO (default: 500)")
+    p.add_argument("--slo-ms", type=float, default=None, help="goodput SLO (default: 500; generate: TTFT, 2000)")
     p.add_argument("--out", help="results folder (default: results/compare-<time>)")
     p.set_defaults(func=cmd_compare)
 

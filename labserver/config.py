@@ -15,6 +15,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_STRATEGY = "thread"
 DEFAULT_MODEL = "minilm"
+DEFAULT_GEN_MODEL = "gpt2-random"  # for gen-* strategies
+
+
+def default_model(strategy: str) -> str:
+    """The model a strategy gets when none is named: the embedded encoder, or GPT-2 for gen-*."""
+    return DEFAULT_GEN_MODEL if strategy.startswith("gen-") else DEFAULT_MODEL
 
 
 @dataclass

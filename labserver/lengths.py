@@ -141,6 +141,30 @@ def make_lengths(lengths: LengthsLike) -> Lengths:
     return ReplayLengths(lengths)
 
 
+def parse_lengths(text: str) -> Lengths:
+    """A length distribution from a short spec, as the command line takes it.
+
+    ``64`` (every request asks 64), ``uniform:16:256``, ``geometric:100`` or
+    ``geometric:100:1:512`` (mean, then bounds), ``replay:FILE`` (one int per line).
+    """
+    kind, _, rest = text.partition(":")
+    args = rest.split(":") if rest else []
+    try:
+        if kind.isdigit() and not rest:
+            return ConstantLength(int(kind))
+        if kind == "uniform" and len(args) == 2:
+            return UniformLength(int(args[0]), int(args[1]))
+        if kind == "geometric" and len(args) in (1, 3):
+            return GeometricLength(float(args[0]), *(int(a) for a in args[1:]))
+        if kind == "replay" and rest:
+            from pathlib import Path
+
+            return ReplayLengths(int(line) for line in Path(rest).read_text().split())
+    except ValueError as e:
+        raise ValueError(f"bad lengths {text!r}: {e}") from None
+    raise ValueError(f"bad lengths {text!r}: use N, uniform:LO:HI, geometric:MEAN[:LO:HI] or replay:FILE")
+
+
 def take_lengths(lengths: LengthsLike, n: int, seed: int | Sequence[int] = 0) -> np.ndarray:
     """``n`` lengths drawn with ``seed`` (a replay: its first ``n``, cycled)."""
     return make_lengths(lengths).take(n, np.random.default_rng(seed))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,19 +100,52 @@ class LoadResult:
             })
         return out
 
-    def to_csv(self, path: str | Path) -> Path:
-        """Write the records to ``path``, meta, warnings and probes to ``path``.json and,
-        for a generation run, the tokens to ``path``.tokens.csv."""
+    def save(self, path: str | Path, summary: Mapping[str, Any] | None = None) -> list[Path]:
+        """Write the run in the format its name asks for; the files written.
+
+        ``run.csv``: the records, with ``run.csv.json`` (summary, meta, warnings, probes)
+        and, for generation, ``run.csv.tokens.csv``; ``run.parquet``: the same with the
+        records as Parquet (needs pyarrow); ``run.json``: the summary, meta and warnings
+        alone; a name without a suffix: a folder holding ``records.csv`` and the rest.
+        """
+        path = Path(path)
+        summary = dict(summary) if summary is not None else self.summary()
+        suffix = path.suffix.lower()
+        if suffix == ".json":
+            doc = {"summary": summary, "meta": self.meta, "warnings": self.warnings}
+            path.write_text(json.dumps(doc, indent=1, default=_jsonable))
+            return [path]
+        if suffix == ".parquet":
+            try:
+                self.records.to_parquet(path, index=False)
+            except ImportError as e:
+                raise ValueError(f"writing {path.name} needs pyarrow (pip install pyarrow); "
+                                 "or save as .csv or .json") from e
+            return [path, *self._sidecars(path, summary)]
+        if suffix == ".csv":
+            return [self.to_csv(path, summary)]
+        path.mkdir(parents=True, exist_ok=True)
+        return [self.to_csv(path / "records.csv", summary)]
+
+    def to_csv(self, path: str | Path, summary: Mapping[str, Any] | None = None) -> Path:
+        """Write the records to ``path``, summary, meta, warnings and probes to ``path``.json
+        and, for a generation run, the tokens to ``path``.tokens.csv."""
         path = Path(path)
         self.records.to_csv(path, index=False)
-        side = {"meta": self.meta, "warnings": self.warnings, "probes": self.probes.to_dict("list")}
+        self._sidecars(path, summary)
+        return path
+
+    def _sidecars(self, path: Path, summary: Mapping[str, Any] | None) -> list[Path]:
+        side = {"summary": dict(summary) if summary is not None else self.summary(), "meta": self.meta,
+                "warnings": self.warnings, "probes": self.probes.to_dict("list")}
         _sidecar(path, ".json").write_text(json.dumps(side, indent=1, default=_jsonable))
         tokens_path = _sidecar(path, ".tokens.csv")
         if len(self.tokens):
             self.tokens.to_csv(tokens_path, index=False)
-        elif tokens_path.exists():
+            return [_sidecar(path, ".json"), tokens_path]
+        if tokens_path.exists():
             tokens_path.unlink()  # a stale one from an earlier run at this path would be read back
-        return path
+        return [_sidecar(path, ".json")]
 
     @classmethod
     def from_csv(cls, path: str | Path) -> LoadResult:

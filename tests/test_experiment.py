@@ -67,3 +67,59 @@ def test_bench_cli_runs_one_load_and_saves_it(tmp_path: Path, capsys) -> None:  
     result = LoadResult.from_csv(out)
     assert len(result.records) > 40 and (result.records["status"] == 200).all()
     assert result.records["dispatch"].isin(["idle", "deadline", "full"]).all()  # the server's headers came back
+
+
+def test_bench_out_format_follows_the_name(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    args = ["bench", "--strategy", "thread", "--model", "synthetic:1+0", "--rate", "40", "--duration", "1",
+            "--warmup", "0.2", "--slo-ms", "50"]
+    assert cli.main([*args, "--out", str(tmp_path / "run.json")]) == 0
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert set(doc) == {"summary", "meta", "warnings"}  # JSON: the summary itself, not records
+    for key in ("p50_ms", "p90_ms", "p99_ms", "mean_ms", "throughput_rps", "goodput_rps"):
+        assert isinstance(doc["summary"][key], float), key
+    assert doc["meta"]["target_rate"] == 40
+
+    assert cli.main([*args, "--out", str(tmp_path / "run.csv")]) == 0
+    records = pd.read_csv(tmp_path / "run.csv")  # CSV: the records, with the summary beside them
+    assert len(records) > 20 and "latency_ms" in records
+    side = json.loads((tmp_path / "run.csv.json").read_text())
+    assert side["summary"]["p99_ms"] == side["summary"]["p99_ms"] and side["meta"]["target_rate"] == 40
+
+    assert cli.main([*args, "--out", str(tmp_path / "folder")]) == 0
+    assert (tmp_path / "folder" / "records.csv").exists() and (tmp_path / "folder" / "records.csv.json").exists()
+
+
+def test_generation_bench_and_sweep(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "gen.json"
+    rc = cli.main(["bench", "--strategy", "gen-continuous", "--model", "synthetic-gen:2+1", "--rate", "10",
+                   "--duration", "1.5", "--warmup", "0.2", "--new-tokens", "uniform:4:12", "--ttft-slo-ms", "500",
+                   "--tpot-slo-ms", "50", "--out", str(out)])
+    assert rc == 0
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["ttft_p99_ms"] > 0 and summary["token_throughput_tps"] > 0
+    assert summary["gen_goodput_rps"] > 0 and 4 <= summary["output_tokens"] / summary["n_ok"] <= 12
+    rc = cli.main(["sweep", "--strategy", "gen-static", "--model", "synthetic-gen:2+1", "--slo-p99-ms", "1000",
+                   "--start-rate", "5", "--duration", "1", "--warmup", "0", "--new-tokens", "5", "--tolerance", "0.5"])
+    assert rc == 0
+    assert "highest rate meeting ttft_p99_ms <= 1000 ms" in capsys.readouterr().out
+
+
+def test_generation_compare_writes_results_and_plot_redraws_them(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "gen"
+    rc = cli.main(["compare", "--task", "generate", "--quick", "--model", "synthetic-gen:2+1",
+                   "--strategies", "gen-static,gen-continuous", "--rates", "10", "--duration", "1.5", "--out", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "gen-static" in table and "ttft_p99_ms" in table and "idle_share" in table
+    for name in ("records.csv", "tokens.csv", "steps.csv", "summary.json", "overview.png", "steps_gen-static.png",
+                 "ttft_cdf.png", "kv_tokens.png"):
+        assert (out / name).stat().st_size > 0, name
+    doc = json.loads((out / "summary.json").read_text())
+    assert doc["task"] == "generate" and [r["label"] for r in doc["summary"]] == ["gen-static", "gen-continuous"]
+    assert all(r["token_throughput_tps"] > 0 for r in doc["summary"])
+    steps = pd.read_csv(out / "steps.csv")
+    assert set(steps["kind"]) == {"prefill", "decode"} and set(steps["label"]) == {"gen-static", "gen-continuous"}
+    for png in out.glob("*.png"):
+        png.unlink()
+    assert cli.main(["plot", str(out)]) == 0
+    assert (out / "overview.png").stat().st_size > 0 and (out / "steps_gen-continuous.png").exists()
