@@ -1,8 +1,9 @@
-"""benchmarks/perf.py runs end to end (tiny and on a synthetic model: a smoke test, not a measurement)."""
+"""benchmarks/perf.py and genperf.py run end to end (tiny, on small models: smoke tests, not measurements)."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,31 @@ def test_perf_script_prints_every_target(tmp_path: Path) -> None:
     best = numbers["rounds"][0]["best@64"]
     assert best["throughput_rps"] > 0 and 0 < best["busy"] <= 1.01 and best["mean_batch"] > 1
     assert len(numbers["idle_pairs"]) == 3 and {"best", "naive", "guide"} <= set(numbers["idle_pairs"][0])
+
+
+def test_genperf_script_prints_every_target(tmp_path: Path) -> None:
+    out = tmp_path / "genperf.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "genperf.py"), "--model", "gpt2-tiny-random", "--duration", "2",
+         "--warmup", "0.5", "--max-batch", "4", "--rounds", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: some target failed, which a smoke run may
+    numbers = json.loads(out.read_text())
+    targets = [r["target"] for r in numbers["rows"]]
+    for prefix in ("1 continuous/static tokens/s at", "1 continuous/static max tokens/s",
+                   "2 continuous/static p99 TTFT",
+                   "3 continuous/hf-cb tokens/s at", "3 continuous/hf-cb tokens/s max",
+                   "4 continuous saturated / offline model.generate", "4 continuous saturated / our engine offline"):
+        assert any(t.startswith(prefix) for t in targets), (prefix, targets)
+    for r in numbers["rows"]:
+        assert isinstance(r["value"], float) and math.isfinite(r["value"]), r
+        assert r["result"] in ("PASS", "FAIL", "INFO")
+        assert r["target"] in run.stdout and r["result"] in run.stdout  # the table is printed, not only written
+    assert numbers["static_capacity"]["tps"] > 0
+    runs = numbers["rounds"][0]
+    for name in ("gen-static", "gen-continuous", "gen-hf-cb"):
+        for where in ("load", "sat"):
+            assert runs[f"{name}@{where}"]["tps"] > 0 and runs[f"{name}@{where}"]["errors"] == 0
+    assert runs["gen-static@sat"]["idle_share"] > 0 and runs["gen-continuous@sat"]["idle_share"] == 0
+    assert runs["offline_generate"]["useful_tps"] > 0 and runs["offline_engine"]["tps"] > 0
