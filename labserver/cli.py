@@ -86,6 +86,14 @@ def _rates(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def _compare_overrides(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
+    """The compare options given on the command line (the rest keep the config's defaults)."""
+    given = dict(strategies=args.strategies.split(",") if args.strategies else None, model=args.model,
+                 device=args.device, rates=_rates(args.rates) if args.rates else None, duration_s=args.duration,
+                 max_batch_size=args.max_batch, **more)
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from datetime import datetime
 
@@ -94,11 +102,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return _compare_generate(args, out)
     from . import experiment
 
-    overrides = {k: v for k, v in dict(
-        strategies=args.strategies.split(",") if args.strategies else None, model=args.model,
-        device=args.device, rates=_rates(args.rates) if args.rates else None, duration_s=args.duration,
-        max_batch_size=args.max_batch, slo_ms=args.slo_ms,
-    ).items() if v is not None}
+    overrides = _compare_overrides(args, slo_ms=args.slo_ms)
     cfg = experiment.CompareConfig.quick(**overrides) if args.quick else experiment.CompareConfig(**overrides)
     print(f"labserver compare: {', '.join(cfg.strategies)} on {cfg.model}, rates {list(cfg.rates)} req/s, "
           f"{cfg.duration_s:g}+{cfg.warmup_s:g} s each -> {out}", file=sys.stderr)
@@ -120,11 +124,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def _compare_generate(args: argparse.Namespace, out: Path) -> int:
     from . import genexperiment as gx
 
-    overrides = {k: v for k, v in dict(
-        strategies=args.strategies.split(",") if args.strategies else None, model=args.model,
-        device=args.device, rates=_rates(args.rates) if args.rates else None, duration_s=args.duration,
-        max_batch_size=args.max_batch, ttft_slo_ms=args.slo_ms,
-    ).items() if v is not None}
+    overrides = _compare_overrides(args, ttft_slo_ms=args.slo_ms)
     cfg = gx.GenCompareConfig.quick(**overrides) if args.quick else gx.GenCompareConfig(**overrides)
     print(f"labserver compare --task generate: {', '.join(cfg.strategies)} on {cfg.model}, rates "
           f"{list(cfg.rates)} req/s, {cfg.duration_s:g}+{cfg.warmup_s:g} s each, outputs of "

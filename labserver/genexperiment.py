@@ -26,7 +26,7 @@ import pandas as pd
 from . import analysis, genplots
 from .arrivals import PayloadLike, WordTexts
 from .genanalysis import combine_tokens
-from .launch import ServerHandle, serve
+from .launch import ServerHandle, serve_each
 from .lengths import LengthsLike, UniformLength
 from .loadgen import LoadResult, run_load_sync
 
@@ -43,13 +43,14 @@ class GenCompareConfig:
     strategies: Sequence[str] = GEN_STRATEGIES
     model: str = "gpt2-random"
     device: str = "auto"
-    rates: Sequence[float] = (0.25, 0.5, 1.0)  # offered requests/s: gen-static carries about 0.5 on 2 CPU cores
+    # offered requests/s; on 2 CPU cores naive carries ~0.15, static ~0.35, continuous ~0.65 (benchmarks/genperf.py)
+    rates: Sequence[float] = (0.15, 0.3, 0.6)
     duration_s: float = 60.0  # measured part of each run, s
     warmup_s: float = 5.0  # sent before it, left out of the summaries, s
     max_batch_size: int = 16  # sequences decoded together
     max_kv_tokens: int | None = None
     max_queue: int = 256
-    timeout_ms: float | None = None  # a deadline on the first token; None: wait as long as it takes
+    timeout_ms: float | None = 30_000.0  # no first token by then: 504 (an overloaded run ends instead of queueing)
     min_tokens: int = 16  # output lengths: uniform in [min_tokens, max_tokens]
     max_tokens: int = 256
     min_words: int = 8  # prompts: seeded sentences of 8-24 words (about 10-30 tokens)
@@ -107,11 +108,14 @@ def load_rates(handle: ServerHandle, rates: Sequence[float], *, label: str, dura
                on_run: Callable[[str, float, LoadResult], None] | None = None, **options: Any) -> GenRuns:
     """Load one running generation server at each offered rate in turn (open loop, Poisson)."""
     runs, steps, warnings = [], [], []
-    for k, rate in enumerate(rates):
+    for rate in rates:
         since = time.perf_counter()
+        # the schedule (arrivals, prompts, lengths) depends only on (seed, rate): every server, in any
+        # list of rates, gets the same requests at the same rate
         result = run_load_sync(handle.url, mode="generate", arrival="poisson", rate_per_s=rate,
                                duration_s=duration_s + warmup_s, warmup_s=warmup_s, payload=payload,
-                               new_tokens=new_tokens, seed=seed + k, **{"progress": False, **options})
+                               new_tokens=new_tokens, seed=seed + round(rate * 1000),
+                               **{"progress": False, **options})
         runs.append((label, rate, result))
         steps.append(steps_frame(handle, since, label, rate))
         warnings += [f"{label} @ {rate:g}/s: {w}" for w in result.warnings]
@@ -133,18 +137,14 @@ def run_gen(strategies: Sequence[str] | Mapping[str, Mapping[str, Any]], model: 
     ``load_options`` go to the load generator (``timeout_s``, ``stream`` ...).
     """
     payload = payload if payload is not None else WordTexts(min_words=8, max_words=24, dist="uniform")
-    plan = {name: {} for name in strategies} if not isinstance(strategies, Mapping) else strategies
     parts = []
-    for label, own in plan.items():
-        options = {**knobs, **own}
-        strategy = options.pop("strategy", label)
-        with serve(strategy, model, **options) as handle:
-            # the first calls of a fresh model (and of transformers' manager) are slow
-            run_load_sync(handle.url, mode="generate", users=2, max_requests=4, payload=payload, new_tokens=8,
-                          process=False, progress=False, timeout_s=600)
-            parts.append(load_rates(handle, rates, label=label, duration_s=duration_s, warmup_s=warmup_s,
-                                    payload=payload, new_tokens=new_tokens, seed=seed, on_run=on_run,
-                                    **dict(load_options or {})))
+    for label, handle in serve_each(strategies, model, **knobs):
+        # a few requests first: the first calls of a fresh model (and of transformers' manager) are slow
+        run_load_sync(handle.url, mode="generate", arrival="constant", rate_per_s=2, max_requests=4, payload=payload,
+                      new_tokens=8, process=False, progress=False, timeout_s=600)
+        parts.append(load_rates(handle, rates, label=label, duration_s=duration_s, warmup_s=warmup_s,
+                                payload=payload, new_tokens=new_tokens, seed=seed, on_run=on_run,
+                                **dict(load_options or {})))
     return GenRuns(pd.concat([p.records for p in parts], ignore_index=True),
                    pd.concat([p.tokens for p in parts], ignore_index=True),
                    pd.concat([p.steps for p in parts], ignore_index=True),

@@ -35,7 +35,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from . import analysis, theory
 from .arrivals import WORDS, PayloadLike, WordTexts
-from .launch import ServerHandle, serve
+from .launch import ServerHandle, serve_each
 from .loadgen import LoadResult, run_load_sync
 from .plots import _axes
 from .virtual import SimRun
@@ -265,15 +265,11 @@ def serve_and_load(
     max_wait_ms, max_queue, timeout_ms, device, ...); ``load_options`` to the
     load generator.
     """
-    plan = {name: {} for name in strategies} if not isinstance(strategies, Mapping) else strategies
     parts = []
-    for label, own in plan.items():
-        options = {**knobs, **own}
-        strategy = options.pop("strategy", label)
-        with serve(strategy, model, **options) as handle:
-            warm_up(handle.url, warm_requests, payload)
-            parts.append(load_rates(handle, rates, label=label, duration_s=duration_s, warmup_s=warmup_s,
-                                    payload=payload, arrival=arrival, **dict(load_options or {})))
+    for label, handle in serve_each(strategies, model, **knobs):
+        warm_up(handle.url, warm_requests, payload)
+        parts.append(load_rates(handle, rates, label=label, duration_s=duration_s, warmup_s=warmup_s,
+                                payload=payload, arrival=arrival, **dict(load_options or {})))
     return Runs.concat(parts)
 
 

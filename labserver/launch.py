@@ -18,7 +18,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import uvicorn
@@ -284,6 +284,22 @@ async def serve_async(
             await handle.astop()
             raise ModelLoadError(handle.runtime.load_error or "model failed to load")
     return handle
+
+
+def serve_each(strategies: Any, model: Any, **knobs: Any) -> Iterator[tuple[str, ServerHandle]]:
+    """Start each strategy in turn and yield ``(label, handle)``; each is stopped before the next starts.
+
+    ``strategies`` is a list of names, or ``{label: options}`` where the options
+    (``strategy`` among them, else the label is the strategy's name) are added to
+    ``knobs`` for that server only. ``model`` is a spec or, better, a loaded object,
+    so it loads once for all of them.
+    """
+    plan = strategies if isinstance(strategies, Mapping) else {name: {} for name in strategies}
+    for label, own in plan.items():
+        options = {**knobs, **own}
+        strategy = options.pop("strategy", label)
+        with serve(strategy, model, **options) as handle:
+            yield label, handle
 
 
 def run_forever(config: ServerConfig) -> None:
