@@ -217,10 +217,11 @@ class GenEngine(Engine):
         """The loop in the module docstring; ``GenStrategy.run`` calls it."""
         while True:
             joining, reason = await self.strategy.admit(self.queue, self.running, self.clock)
-            live = self.admissible(joining)
-            await self._drop_gone()
+            await self._drop_gone()  # (awaits the model thread: check the newcomers' deadlines after it)
+            now = self.clock()  # one reading for the deadline check and the prefill's start
+            live = self.admissible(joining, now)
             if live:
-                await self._prefill(live, reason)
+                await self._prefill(live, reason, now)
             if self.running.seqs:
                 await self._decode()
 
@@ -230,8 +231,9 @@ class GenEngine(Engine):
             return await self._thread.submit(fn, *args)
         return fn(*args)
 
-    def admissible(self, joining: list[Seq]) -> list[Seq]:
-        now = self.clock()
+    def admissible(self, joining: list[Seq], now: float | None = None) -> list[Seq]:
+        """The newcomers still wanted: a client gone is skipped, a deadline passed is answered 504."""
+        now = self.clock() if now is None else now
         live = []
         for seq in joining:
             if seq.future.done():
@@ -250,11 +252,10 @@ class GenEngine(Engine):
             self.gen.left_running += len(gone)
             await self._leave(gone)
 
-    async def _prefill(self, seqs: list[Seq], reason: str) -> None:
-        start = self.clock()
+    async def _prefill(self, seqs: list[Seq], reason: str, start: float) -> None:
         for seq in seqs:
             seq.admitted_s = start
-            if seq.deadline_s < start:  # admissible read the clock just before: impossible, counted anyway
+            if seq.deadline_s < start:  # admissible used the same reading: impossible, counted anyway
                 self.gen.computed_after_deadline += 1
         outs, calls = await self.call(run_isolating, self.model.prefill, [(s.sid, s.prompt_ids) for s in seqs])
         end = self.clock()

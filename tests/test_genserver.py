@@ -201,3 +201,75 @@ def test_client_leaving_mid_stream_stops_its_decoding(stepped: tuple[labserver.S
     assert sum(1 in ids for ids in decodes) <= 4  # the 3 steps whose tokens it read, plus the one in flight
     wait_until(lambda: h.stats()["left_while_generating"] == 1)
     assert model.cached == 0
+
+
+# -- the same on the small real model (GPT-2 shape, random weights, our slot KV cache) -------------
+
+@pytest.fixture(scope="module")
+def tiny() -> Any:
+    from labserver.genmodels import load_gen_model
+
+    return load_gen_model("gpt2-tiny-random", device="cpu")
+
+
+def test_real_model_streams_every_token_in_order_and_matches_offline(tiny: Any) -> None:
+    prompts = [f"the quick brown fox number {k} jumps" for k in range(5)]
+    with labserver.serve("gen-continuous", tiny, max_batch_size=4) as h:
+        results: dict[int, list[tuple[str, Any]]] = {}
+
+        def one(k: int) -> None:
+            results[k] = stream(h.url, {"prompt": prompts[k], "max_new_tokens": 10 + 7 * k, "ignore_eos": True})[1]
+
+        threads = [threading.Thread(target=one, args=(k,)) for k in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert max(int(n) for n in h.stats()["step_size_histogram"]) > 1  # they shared steps
+    for k, evs in results.items():
+        tokens = [d for kind, d in evs if kind == "token"]
+        assert [t["index"] for t in tokens] == list(range(10 + 7 * k)) and evs[-1][0] == "done"
+        assert [t["id"] for t in tokens] == evs[-1][1]["tokens"]
+        assert "random weights" in evs[-1][1]["note"]
+    # the served tokens are the model's own greedy tokens, whoever shared the steps
+    sid = 10_000
+    for k, prompt in enumerate(prompts):
+        ids, out = tiny.encode(prompt), []
+        out.append(tiny.prefill([(sid + k, ids)])[0])
+        while len(out) < 10 + 7 * k:
+            out.append(tiny.decode([(sid + k, out[-1])])[0])
+        tiny.release([sid + k])
+        assert out == results[k][-1][1]["tokens"], k
+
+
+def test_real_model_client_leaving_mid_stream_is_not_decoded_to_the_end(tiny: Any) -> None:
+    tiny.calls.clear()  # (sequence ids start at 1 in every server)
+    with labserver.serve("gen-continuous", tiny, max_batch_size=4) as h:
+        other: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: other.update(evs=stream(h.url, {"prompt": "stays", "max_new_tokens": 300,
+                                                                            "ignore_eos": True})[1]))
+        t.start()
+        with httpx.stream("POST", h.url + "/generate", json={"prompt": "leaves", "max_new_tokens": 400,
+                                                            "stream": True, "ignore_eos": True}, timeout=30) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("event: token")
+                if seen == 5:
+                    break
+        wait_until(lambda: h.stats()["left_while_generating"] == 1)
+        t.join(60)
+        assert len([d for k, d in other["evs"] if k == "token"]) == 300  # the other one went on to its end
+    decoded = sorted(sum(sid in ids for kind, ids in tiny.calls if kind == "decode") for sid in (1, 2))
+    assert decoded[1] == 299  # the one that stayed: a prefill and 299 steps
+    assert decoded[0] < 200  # the leaver: dropped long before its 400 tokens (exactly when: the stepped test)
+    assert tiny.cached == 0
+
+
+def test_real_model_refuses_what_does_not_fit(tiny: Any) -> None:
+    with labserver.serve("gen-continuous", tiny, max_kv_tokens=100) as h:
+        msg = assert_error(httpx.post(h.url + "/generate", json={"prompt": "word " * 600}), 400, "bad_request")
+        assert "512" in msg["message"]  # the tiny model's context
+        msg = assert_error(httpx.post(h.url + "/generate", json={"prompt": "hi", "max_new_tokens": 200}), 400,
+                           "bad_request")
+        assert "max_kv_tokens" in msg["message"]
+        assert httpx.post(h.url + "/generate", json={"prompt": "hi", "max_new_tokens": 20}).status_code == 200
