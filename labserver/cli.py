@@ -41,6 +41,8 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
                    help="per-request deadline; 504 after it (default: none)")
     p.add_argument("--no-idle-dispatch", action="store_true",
                    help="deadline/thread: wait for the deadline even when nothing else is queued")
+    p.add_argument("--target-ms", type=float, default=_LIMITS.target_ms,
+                   help="slo: the latency target; a batch may spend half of it waiting (default: %(default)s)")
     p.add_argument("--max-kv-tokens", type=int, default=None,
                    help="gen-*: KV-cache tokens the running sequences may reserve (default: no cap)")
     p.add_argument("--prefill", default=_LIMITS.prefill, choices=["eager", "budget"],
@@ -56,6 +58,7 @@ def limits_from(args: argparse.Namespace) -> Limits:
         max_queue=args.max_queue,
         timeout_ms=args.timeout_ms,
         idle_dispatch=not args.no_idle_dispatch,
+        target_ms=args.target_ms,
         max_kv_tokens=args.max_kv_tokens,
         prefill=args.prefill,
         max_prefill_tokens=args.max_prefill_tokens,

@@ -53,6 +53,7 @@ class Limits:
     max_queue: int | None = None  # queued items before new requests get 503; None = unbounded
     timeout_ms: float | None = None  # per-request deadline from arrival, ms; None = none
     idle_dispatch: bool = True  # dispatch at once when nothing else is queued (deadline, thread)
+    target_ms: float = 100.0  # slo: the latency target (an SLO), ms; a batch may spend part of it waiting
     # generation only (gen-* strategies): max_batch_size caps the sequences running together
     max_kv_tokens: int | None = None  # KV-cache tokens the running sequences may reserve (prompt + max_new_tokens each)
     prefill: str = "eager"  # gen-continuous: "eager" admits all that fit at every step; "budget" at most max_prefill_tokens
@@ -67,6 +68,8 @@ class Limits:
             raise ValueError(f"max_queue must be >= 1 or None, got {self.max_queue}")
         if self.timeout_ms is not None and self.timeout_ms <= 0:
             raise ValueError(f"timeout_ms must be > 0 or None, got {self.timeout_ms}")
+        if self.target_ms <= 0:
+            raise ValueError(f"target_ms must be > 0, got {self.target_ms}")
         if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
             raise ValueError(f"max_kv_tokens must be >= 1 or None, got {self.max_kv_tokens}")
         if self.prefill not in ("eager", "budget"):
@@ -357,6 +360,7 @@ class Engine:
         c.batch_sizes[record.size] += 1
         c.reasons[record.reason] += 1
         self.batches.append(record)
+        self.strategy.observe(record.size, record.compute_ms)
 
     def stats(self) -> dict[str, Any]:
         c = self.counters

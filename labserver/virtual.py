@@ -140,6 +140,7 @@ def _run(strategy: Strategy, q: VirtualQueue, service_ms: Callable[[int], float]
                 BatchRecord(len(run.batches) + 1, len(items), reason, start, sum(waits) / len(waits) * 1000, cost)
             )
             run.latencies_ms.extend((q.now_s - i.enqueued_s) * 1000 for i in items)
+            strategy.observe(len(items), cost)
             answered(q, q.now_s, len(items))
         return run
 

@@ -15,20 +15,24 @@ def test_perf_script_prints_every_target(tmp_path: Path) -> None:
     out = tmp_path / "perf.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "perf.py"), "--model", "synthetic:20+1", "--duration", "1",
-         "--rounds", "1", "--out", str(out)],
+         "--rounds", "1", "--slo", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )
     assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: some target failed, which a smoke run may
     numbers = json.loads(out.read_text())
     targets = [r["target"] for r in numbers["rows"]]
     for prefix in ("1 efficiency", "6 GPU", "2 idle", "3 load: best/guide p50", "3 load: best/guide p99",
-                   "5 generator: late", "5 generator: labserver / wrk"):
+                   "5 generator: late", "5 generator: labserver / wrk", "3 SLO: best/guide capacity, p99 <= 100",
+                   "3 SLO: best/guide capacity, p99 <= 250", "3 SLO: slo (target_ms 100)/guide"):
         assert any(t.startswith(prefix) for t in targets), (prefix, targets)
     for r in numbers["rows"]:
         assert r["result"] in ("PASS", "FAIL", "SKIP")
         assert r["result"] in run.stdout  # the table is printed, not only written
     best = numbers["rounds"][0]["best@64"]
     assert best["throughput_rps"] > 0 and 0 < best["busy"] <= 1.01 and best["mean_batch"] > 1
+    caps = numbers["slo_capacity"][0]
+    assert {f"{who}@{slo}" for who in ("best", "guide", "slo") for slo in (100, 250)} == set(caps)
+    assert all(caps[k]["rate"] > 0 and caps[k]["probes"] for k in caps)
     assert len(numbers["idle_pairs"]) == 3 and {"best", "naive", "guide"} <= set(numbers["idle_pairs"][0])
 
 

@@ -152,7 +152,7 @@ def test_importing_and_serving_need_no_torch() -> None:
 def test_model_exception_fails_only_its_own_items(strategy: str) -> None:
     texts = ["ok 0", "__bug__ 1", "ok 2", f"{POISON} 3", "ok 4", "ok 5"]
     # a batch leaves only when full: the six requests share one (naive: six of one)
-    with labserver.serve(strategy, FaultyModel(), max_batch_size=len(texts), max_wait_ms=10_000,
+    with labserver.serve(strategy, FaultyModel(), max_batch_size=len(texts), max_wait_ms=10_000, target_ms=20_000,
                          idle_dispatch=False) as h:
         responses = dict(zip(texts, post_all(h.url, texts), strict=True))
         stats = h.stats()
@@ -171,7 +171,7 @@ def test_model_exception_fails_only_its_own_items(strategy: str) -> None:
 @pytest.mark.parametrize("strategy", BATCHING)
 def test_out_of_memory_batch_is_split_and_retried_over_http(strategy: str) -> None:
     texts = [f"t{i}" for i in range(16)]
-    with labserver.serve(strategy, "synthetic:1+0?oom_above=4", max_batch_size=16, max_wait_ms=10_000,
+    with labserver.serve(strategy, "synthetic:1+0?oom_above=4", max_batch_size=16, max_wait_ms=10_000, target_ms=20_000,
                          idle_dispatch=False) as h:
         responses = post_all(h.url, texts)
         stats = h.stats()

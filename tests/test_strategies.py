@@ -202,3 +202,59 @@ def test_adaptive_costs_open_traffic_at_most_a_gap() -> None:
     run = simulate(s, [0.0] * 8 + ms(0.5, 0.9), minilm_ms)
     assert (run.batches[0].size, run.batches[0].reason) == (10, "gap")
     assert run.batches[0].dispatched_s == pytest.approx(0.0019)  # 1 ms after the last arrival
+
+
+# -- slo: spend the latency target's headroom on bigger batches --------------------------
+
+def test_batch_cost_fits_fixed_and_per_item_parts() -> None:
+    from labserver.strategies import BatchCost
+
+    cost = BatchCost()
+    assert cost(8) == 0.0  # nothing seen: no cost known, nothing to wait for
+    cost.add(4, 20.0)
+    assert cost(8) == pytest.approx(40.0)  # one size only: all of it scales with n (pessimistic)
+    for n in (1, 2, 8, 16):
+        cost.add(n, 12.0 + 2.0 * n)
+    cost.points.popleft()  # drop the proportional guess: exact points only
+    assert cost(10) == pytest.approx(32.0)
+    assert cost(0) == pytest.approx(12.0)
+
+
+def test_slo_holds_a_batch_within_its_headroom() -> None:
+    """Steady arrivals every 4 ms, cost 10 + 1/item ms, target 100 ms: budget 50 ms."""
+    cost = lambda n: 10.0 + n  # noqa: E731
+    arrivals = ms(*(4.0 * i for i in range(400)))
+    slo = simulate(make_strategy("slo", Limits(max_batch_size=64, target_ms=100)), arrivals, cost)
+    thread = simulate(make_strategy("thread", Limits(max_batch_size=64)), arrivals, cost)
+    steady = slo.batches[5:-1]  # the last batch leaves when arrivals end
+    assert min(b.size for b in steady) >= 5  # it waits for company ...
+    assert sum(b.size for b in steady) / len(steady) > 2 * sum(thread.sizes) / len(thread.sizes)
+    assert max(slo.latencies_ms[20:]) <= 50.0 + 1e-6  # ... but never past half the target
+    assert {b.reason for b in steady} == {"slo"}
+    busy = lambda run: sum(b.compute_ms for b in run.batches)  # noqa: E731
+    assert busy(slo) < 0.7 * busy(thread)  # fewer, bigger batches: less model time for the same work
+
+
+def test_slo_sends_a_lone_request_at_once() -> None:
+    """Arrivals a second apart: the next one is never expected within the budget."""
+    run = simulate(make_strategy("slo", Limits(target_ms=100)), [0.0, 1.0, 2.0, 3.0], lambda n: 10.0)
+    assert run.latencies_ms == pytest.approx([10.0] * 4)
+
+
+def test_slo_under_overload_is_the_thread_rule() -> None:
+    """Everything queued and late: full batches back to back, as thread would send them."""
+    arrivals = [0.0] * 640
+    slo = simulate(make_strategy("slo", Limits(max_batch_size=64, target_ms=100)), arrivals, lambda n: 20.0 + n)
+    thread = simulate(make_strategy("thread", Limits(max_batch_size=64)), arrivals, lambda n: 20.0 + n)
+    assert slo.sizes == thread.sizes == [64] * 10
+    assert slo.latencies_ms == thread.latencies_ms
+
+
+def test_slo_learns_the_cost_from_the_batches_it_ran() -> None:
+    """A costlier model shrinks the wait: the batch must leave earlier to make the budget."""
+    arrivals = ms(*(2.0 * i for i in range(500)))
+    cheap = simulate(make_strategy("slo", Limits(target_ms=100)), arrivals, lambda n: 5.0 + 0.2 * n)
+    dear = simulate(make_strategy("slo", Limits(target_ms=100)), arrivals, lambda n: 5.0 + 1.5 * n)
+    size = lambda run: sum(run.sizes[10:]) / len(run.sizes[10:])  # noqa: E731
+    assert size(cheap) > size(dear)
+    assert max(dear.latencies_ms[50:]) <= 50.0 + 1e-6
