@@ -276,8 +276,14 @@ class SLO(Thread):
 
     The price is latency at light load: a lone request waits until the next arrival is
     not expected in time, so p50 sits near the budget when traffic is steady but slow.
-    Use it when you have a target and want the most load under it, not the lowest idle
-    latency.
+    Use it when you have a target and want fewer, bigger batches under it, not the lowest
+    idle latency.
+
+    What it does not buy, measured: capacity. Under open traffic the other rules already
+    take everything queued when the model frees up; holding for company pays the fixed
+    cost less often but adds the wait it saves. On a virtual clock with this machine's
+    MiniLM cost (17 + 3.9 n ms) it carries 1-2 % more than ``thread`` or the guide within a
+    p99 target; live, within the noise (``benchmarks/perf.py --slo``, README Performance).
     """
 
     name = "slo"
