@@ -37,6 +37,7 @@ from typing import Any
 import labserver
 from labserver import analysis
 from labserver.loadgen import run_load_sync
+from labserver.strategies import BatchCost
 
 HERE = Path(__file__).resolve().parent
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank today."  # 16 tokens
@@ -417,10 +418,10 @@ def main() -> int:
         # The same question without the machine: this model's offline cost curve replayed on a
         # virtual clock, as measured and 20x faster (a GPU-class model, arrivals < 1 ms apart).
         curve = offline_curve(loaded)
-        sizes = sorted(curve)
-        mean_n, mean_ms = statistics.mean(sizes), statistics.mean(curve.values())
-        b = max(0.0, sum((k - mean_n) * (curve[k] - mean_ms) for k in sizes) / sum((k - mean_n) ** 2 for k in sizes))
-        a = max(0.0, mean_ms - b * mean_n)
+        fitted = BatchCost()  # the fit the slo strategy makes of the batches it runs
+        for n, ms in curve.items():
+            fitted.add(n, ms)
+        a, b = fitted(0), fitted(1) - fitted(0)
         numbers["virtual_capacity"] = virtual = {"cost_ms": {"a": a, "b": b, "curve": curve}}
         for speed in (1, 20):
             for slo in SLOS_MS:
