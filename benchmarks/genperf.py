@@ -73,10 +73,10 @@ from typing import Any
 
 import labserver
 from labserver import analysis
-from labserver.arrivals import WordTexts, take_payloads
-from labserver.experiment import machine_info
-from labserver.genmodels import load_gen_model
-from labserver.lengths import UniformLength, take_lengths
+from labserver.load.arrivals import WordTexts, take_payloads
+from labserver.experiments.runs import machine_info
+from labserver.models import load_model
+from labserver.load.lengths import UniformLength, take_lengths
 from labserver.loadgen import LoadResult, run_load_sync
 
 PROMPTS = WordTexts(min_words=8, max_words=24, dist="uniform")  # as labserver compare --task generate
@@ -252,7 +252,7 @@ def main() -> int:
     users = 2 * args.max_batch
     numbers: dict[str, Any] = {"machine": machine_info(args.device), "args": vars(args)}
 
-    gen = load_gen_model(args.model, device=args.device)  # once: every server and the offline runs share it
+    gen = load_model(args.model, device=args.device)  # once: every server and the offline runs share it
     work = workload(gen, 512, args.seed)
 
     print(f"static's capacity: closed loop, {users} users ...", file=sys.stderr)

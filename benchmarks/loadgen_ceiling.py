@@ -52,10 +52,10 @@ def trial(url: str, rate: float, duration_s: float, mode: str, arrival: str) -> 
     result = run_load_sync(url, arrival=arrival, rate_per_s=rate, duration_s=duration_s + 0.5,
                            warmup_s=0.5, payload="hello world", progress=False, **MODES[mode])
     s, m = result.summary(), result.meta
-    ok = m["late_fraction"] < 0.01 and m["n_overflow"] == 0 and s["errors"] == 0
+    errors = s["count"] - s["n_ok"]
+    ok = m["late_fraction"] < 0.01 and m["n_overflow"] == 0 and errors == 0
     return dict(mode=mode, rate=rate, achieved=m["achieved_send_rate_per_s"], late=m["late_fraction"],
-                late_p99=m["late_ms_p99"], p50=s["latency_ms_p50"], p99=s["latency_ms_p99"],
-                errors=s["errors"], ok=ok)
+                late_p99=m["late_ms_p99"], p50=s["p50_ms"], p99=s["p99_ms"], errors=errors, ok=ok)
 
 
 def best_of(url, rate, args, mode) -> dict:
@@ -105,7 +105,7 @@ def main() -> None:
         serve(sys.stdout)
         return
 
-    from labserver.loadworker import timer_late_fraction
+    from labserver.load.worker import timer_late_fraction
 
     server = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True)
     try:

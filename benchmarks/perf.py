@@ -36,6 +36,7 @@ from typing import Any
 
 import labserver
 from labserver import analysis
+from labserver.experiments.runs import machine_info
 from labserver.loadgen import run_load_sync
 from labserver.strategies import BatchCost
 
@@ -186,9 +187,9 @@ def virtual_capacity(cost_ms: Any, slo_ms: float, servers: dict[str, dict[str, A
     """
     import numpy as np
 
-    from labserver.engine import Limits
+    from labserver.strategies import Limits
     from labserver.strategies import make_strategy
-    from labserver.virtual import simulate
+    from labserver.engine.virtual import simulate
 
     def p99(cfg: dict[str, Any], rate: float) -> float:
         arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, n)).tolist()
@@ -342,7 +343,7 @@ def main() -> int:
     PAYLOAD = text_for(model)
     best = dict(strategy="adaptive", max_batch_size=64)
     guide = dict(strategy="per-fetch", max_batch_size=None, max_wait_ms=1.0)
-    numbers: dict[str, Any] = {"machine": __import__("labserver.experiment").experiment.machine_info(dev)}
+    numbers: dict[str, Any] = {"machine": machine_info(dev)}
     rows = []
 
     loaded = labserver.load_model(model, device=dev)  # once: every server and the offline figure share it

@@ -7,13 +7,13 @@ only when a real model is loaded.
 from __future__ import annotations
 
 from .config import ServerConfig
-from .engine import Limits
 from .launch import ServerHandle, serve, serve_async
 from .models import load_model
-from .strategies import STRATEGIES, Strategy, register
+from .strategies import STRATEGIES, GenStrategy, Limits, Strategy, register
 
 __all__ = [
     "STRATEGIES",
+    "GenStrategy",
     "Limits",
     "ServerConfig",
     "ServerHandle",

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import DEFAULT_STRATEGY, ServerConfig, default_model
-from .engine import Limits
-from .strategies import strategy_names
+from .strategies import Limits, describe, strategy_names
 
 _LIMITS = Limits()
 _CONFIG = ServerConfig()
@@ -89,70 +88,46 @@ def _rates(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def _compare_overrides(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
-    """The compare options given on the command line (the rest keep the config's defaults)."""
-    given = dict(strategies=args.strategies.split(",") if args.strategies else None, model=args.model,
-                 device=args.device, rates=_rates(args.rates) if args.rates else None, duration_s=args.duration,
-                 max_batch_size=args.max_batch, **more)
-    return {k: v for k, v in given.items() if v is not None}
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
     from datetime import datetime
 
+    from .experiments import compare as cx  # the module
+
     out = Path(args.out) if args.out else Path("results") / datetime.now().strftime("compare-%Y%m%d-%H%M%S")
-    if args.task == "generate":
-        return _compare_generate(args, out)
-    from . import experiment
-
-    overrides = _compare_overrides(args, slo_ms=args.slo_ms)
-    cfg = experiment.CompareConfig.quick(**overrides) if args.quick else experiment.CompareConfig(**overrides)
-    print(f"labserver compare: {', '.join(cfg.strategies)} on {cfg.model}, rates {list(cfg.rates)} req/s, "
-          f"{cfg.duration_s:g}+{cfg.warmup_s:g} s each -> {out}", file=sys.stderr)
-
-    def progress(name: str, rate: float, result: Any) -> None:
-        s = result.summary()
-        print(f"  {name:>9} @ {rate:>5g}/s: ok {s['ok']}/{s['requests']}, p50 {s['latency_ms_p50']:.1f} ms, "
-              f"p99 {s['latency_ms_p99']:.1f} ms", file=sys.stderr)
-
-    result = experiment.compare(cfg, out, on_run=progress)
-    print(experiment.table(result.summary))
-    for w in result.warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    print(f"wrote {out}/: records.csv, summary.json, summary.csv, lag.csv, machine.json and PNG plots",
-          file=sys.stderr)
-    return 0
-
-
-def _compare_generate(args: argparse.Namespace, out: Path) -> int:
-    from . import genexperiment as gx
-
-    overrides = _compare_overrides(args, ttft_slo_ms=args.slo_ms)
-    cfg = gx.GenCompareConfig.quick(**overrides) if args.quick else gx.GenCompareConfig(**overrides)
-    print(f"labserver compare --task generate: {', '.join(cfg.strategies)} on {cfg.model}, rates "
-          f"{list(cfg.rates)} req/s, {cfg.duration_s:g}+{cfg.warmup_s:g} s each, outputs of "
-          f"{cfg.min_tokens}-{cfg.max_tokens} tokens -> {out}", file=sys.stderr)
+    generate = args.task == "generate"
+    kind = cx.GenCompareConfig if generate else cx.CompareConfig
+    given = dict(strategies=args.strategies.split(",") if args.strategies else None, model=args.model,
+                 device=args.device, rates=_rates(args.rates) if args.rates else None, duration_s=args.duration,
+                 max_batch_size=args.max_batch, **{"ttft_slo_ms" if generate else "slo_ms": args.slo_ms})
+    overrides = {k: v for k, v in given.items() if v is not None}
+    cfg = kind.quick(**overrides) if args.quick else kind(**overrides)
+    what = f", outputs of {cfg.min_tokens}-{cfg.max_tokens} tokens" if isinstance(cfg, cx.GenCompareConfig) else ""
+    print(f"labserver compare --task {cfg.task}: {', '.join(cfg.strategies)} on {cfg.model}, rates "
+          f"{list(cfg.rates)} req/s, {cfg.duration_s:g}+{cfg.warmup_s:g} s each{what} -> {out}", file=sys.stderr)
 
     def progress(name: str, rate: float, result: Any) -> None:
         s = result.summary()
-        print(f"  {name:>14} @ {rate:>5g}/s: ok {s['ok']}/{s['requests']}, TTFT p50 {s.get('ttft_ms_p50', 0):.0f} "
-              f"ms, p99 {s.get('ttft_ms_p99', 0):.0f} ms, {s.get('token_throughput_per_s', 0):.1f} tokens/s",
-              file=sys.stderr)
+        line = f"  {name:>14} @ {rate:>5g}/s: ok {s['n_ok']}/{s['count']}, "
+        if generate:
+            line += (f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, p99 {s['ttft_p99_ms']:.0f} ms, "
+                     f"{s['token_throughput_tps']:.1f} tokens/s")
+        else:
+            line += f"p50 {s['p50_ms']:.1f} ms, p99 {s['p99_ms']:.1f} ms"
+        print(line, file=sys.stderr)
 
-    runs, summary = gx.compare(cfg, out, on_run=progress)
-    print(gx.table(summary))
+    runs, summary = cx.compare(cfg, out, on_run=progress)
+    print(cx.table(summary, cfg.task))
     for w in runs.warnings:
         print(f"warning: {w}", file=sys.stderr)
-    print(f"wrote {out}/: records.csv, tokens.csv, steps.csv, summary.json, summary.csv, machine.json and PNG "
-          "plots", file=sys.stderr)
+    files = "records.csv, tokens.csv, steps.csv" if generate else "records.csv, lag.csv"
+    print(f"wrote {out}/: {files}, summary.json, summary.csv, machine.json and PNG plots", file=sys.stderr)
     return 0
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from . import experiment, genexperiment
+    from .experiments.compare import draw
 
-    generated = (Path(args.results_dir) / "tokens.csv").exists()
-    for path in (genexperiment if generated else experiment).draw(args.results_dir):
+    for path in draw(args.results_dir):
         print(path)
     return 0
 
@@ -167,21 +142,21 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
     else:
         opts.update(arrival=args.arrival, rate_per_s=args.rate)
     if args.payload_file:
-        from .arrivals import FileLines
+        from .load.arrivals import FileLines
 
         opts["payload"] = FileLines(args.payload_file)
     else:
-        from .arrivals import WordTexts
+        from .load.arrivals import WordTexts
 
         opts["payload"] = WordTexts(min_words=8, max_words=24)
     if args.mode == "generate":
-        from .lengths import parse_lengths
+        from .load.lengths import parse_lengths
 
         opts.update(new_tokens=parse_lengths(args.new_tokens), stream=not args.no_stream, timeout_s=600.0)
     return opts
 
 
-def _summary(args: argparse.Namespace, result: Any) -> Any:
+def _summarize(args: argparse.Namespace, result: Any) -> Any:
     from . import analysis
 
     return analysis.summarize(result.records, slo_ms=args.slo_ms, meta=result.meta, tokens=result.tokens,
@@ -210,7 +185,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     finally:
         if handle is not None:
             handle.stop()
-    summary = _summary(args, result)
+    summary = _summarize(args, result)
     print(summary.to_string(float_format=lambda x: f"{x:.4g}"))
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -232,7 +207,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     def at_rate(rate: float) -> Any:
         result = run_load_sync(url, **{**opts, "arrival": args.arrival, "rate_per_s": rate})
-        print(f"  {rate:8.2f}/s: {metric} {_summary(args, result)[metric]:.1f} ms", file=sys.stderr)
+        print(f"  {rate:8.2f}/s: {metric} {_summarize(args, result)[metric]:.1f} ms", file=sys.stderr)
         return result.records, result.meta
 
     try:
@@ -250,7 +225,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_load_args(p: argparse.ArgumentParser, rate_required: bool = False) -> None:
+def add_load_args(p: argparse.ArgumentParser) -> None:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="load this server (loopback only unless --allow-remote)")
     target.add_argument("--strategy", choices=strategy_names(), help="start this strategy here and load it")
@@ -280,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="labserver", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="serve a model with one strategy until Ctrl-C")
+    listing = "\n".join(f"  {name:15} {describe(name)}" for name in strategy_names())
+    p = sub.add_parser("serve", help="serve a model with one strategy until Ctrl-C",
+                       epilog=f"strategies:\n{listing}", formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_args(p)
     add_strategy_args(p)
     p.add_argument("--host", default=_CONFIG.host, help="(default: %(default)s; 0.0.0.0 exposes it)")
@@ -298,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="encode", choices=["encode", "generate"],
                    help="encode: the encoder strategies on minilm; generate: the gen-* strategies on gpt2-random")
     p.add_argument("--quick", action="store_true", help="about a minute instead of about five")
-    p.add_argument("--strategies", help="comma-separated (default: all four)")
+    p.add_argument("--strategies", help="comma-separated (default: every strategy of the task)")
     p.add_argument("--model", default=None, help="(default: minilm, the embedded model)")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--rates", help="comma-separated offered req/s (default: 25,100,200,300; quick: 25,200)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, fields
 
-from .engine import Limits
+from .strategies import Limits
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from typing import Any
 import uvicorn
 
 from .config import DEFAULT_MODEL, DEFAULT_STRATEGY, ServerConfig
-from .models import Model, ModelLoadError
+from .engine import BatchEngine, StepEngine
+from .models import GenModel, Model, ModelLoadError
 from .server import Runtime, create_app, stats_dict
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def build_server(config: ServerConfig, model: Model | None = None, signals: bool = False) -> _Server:
+def build_server(config: ServerConfig, model: Model | GenModel | None = None, signals: bool = False) -> _Server:
     app = create_app(config, model)
     uv = uvicorn.Config(
         app,
@@ -127,12 +128,13 @@ class ServerHandle:
 
     def batches(self) -> list[dict[str, Any]]:
         """Every recorded batch (size, reason, queue wait, compute time), oldest first."""
-        return self._call(lambda: [vars(b).copy() for b in self.runtime.engine.batches] if self.runtime.engine else [])
+        engine = self.runtime.engine
+        return self._call(lambda: [vars(b).copy() for b in engine.batches] if isinstance(engine, BatchEngine) else [])
 
     def steps(self, last: int | None = None) -> list[dict[str, Any]]:
         """The generation engine's step log (who was in each prefill and decode step), oldest first."""
         engine = self.runtime.engine
-        return self._call(lambda: engine.step_log(last) if hasattr(engine, "step_log") else [])
+        return self._call(lambda: engine.step_log(last) if isinstance(engine, StepEngine) else [])
 
     def loop_lag(self) -> list[tuple[float, float]]:
         """(t_s, lag_ms) samples of the server's event-loop lag."""
@@ -180,8 +182,8 @@ class ServerHandle:
         await self.astop()
 
 
-def _prepare(strategy: str, model: str | Model, host: str, port: int, options: dict[str, Any]
-             ) -> tuple[ServerConfig, Model | None]:
+def _prepare(strategy: str, model: str | Model | GenModel, host: str, port: int, options: dict[str, Any]
+             ) -> tuple[ServerConfig, Model | GenModel | None]:
     obj = None if isinstance(model, str) else model
     spec = model if isinstance(model, str) else getattr(model, "name", type(model).__name__)
     config = ServerConfig.build(strategy=strategy, model=spec, host=host, port=port, **options)
@@ -191,7 +193,7 @@ def _prepare(strategy: str, model: str | Model, host: str, port: int, options: d
 
 def serve(
     strategy: str = DEFAULT_STRATEGY,
-    model: str | Model = DEFAULT_MODEL,
+    model: str | Model | GenModel = DEFAULT_MODEL,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
@@ -263,7 +265,7 @@ def _raise_if_failed(handle: ServerHandle) -> None:
 
 async def serve_async(
     strategy: str = DEFAULT_STRATEGY,
-    model: str | Model = DEFAULT_MODEL,
+    model: str | Model | GenModel = DEFAULT_MODEL,
     *,
     host: str = "127.0.0.1",
     port: int = 0,

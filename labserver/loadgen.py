@@ -10,15 +10,15 @@ and ``send_latency_ms`` is what a naive client would report, kept for comparison
 ``mode="generate"`` loads a generative server instead: it posts
 ``{"prompt", "max_new_tokens", "stream", "ignore_eos"}`` to ``/generate``, reads the
 event stream, and records time to first token and each token's arrival, also from
-the schedule (``labserver.loadresult`` describes the columns).
+the schedule (``labserver.load.results`` describes the columns).
 
 Entry points: ``await run_load(url, **options)`` in async code and notebooks,
 ``run_load_sync(url, **options)`` anywhere else (also inside a running Jupyter
 kernel); the options are the fields of ``LoadSpec``. Arrival processes and payloads
-live in ``labserver.arrivals``, output lengths in ``labserver.lengths``, the sending
-loop in ``labserver.loadworker``, the records and their files in ``labserver.loadresult``.
+live in ``labserver.load.arrivals``, output lengths in ``labserver.load.lengths``, the sending
+loop in ``labserver.load.worker``, the records and their files in ``labserver.load.results``.
 
-This module talks HTTP only (``labserver.loadclient``) and reads the server's
+This module talks HTTP only (``labserver.load.clients``) and reads the server's
 timing headers by name (``labserver.wire``); it can load any URL. By default it
 runs in a separate, spawned process so that a model running inline in the caller
 (a notebook kernel) cannot stall the client. Scripts that use process mode need the
@@ -43,12 +43,12 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 import pandas as pd
 
-from labserver import wire
-from labserver.arrivals import Arrival, PayloadLike, make_arrival, take_payloads
-from labserver.lengths import LengthsLike, make_lengths, take_lengths
-from labserver.loadclient import CLIENTS, check_target
-from labserver.loadresult import PROBE_COLUMNS, RECORD_COLUMNS, TOKEN_COLUMNS, LoadResult, build_records
-from labserver.loadworker import Plan, run_here, run_in_processes, run_on_fresh_loop
+from . import wire
+from .load.arrivals import Arrival, PayloadLike, make_arrival, take_payloads
+from .load.clients import CLIENTS, check_target
+from .load.lengths import LengthsLike, make_lengths, take_lengths
+from .load.results import PROBE_COLUMNS, RECORD_COLUMNS, TOKEN_COLUMNS, LoadResult, build_records
+from .load.worker import Plan, run_here, run_in_processes, run_on_fresh_loop
 
 logger = logging.getLogger(__name__)
 

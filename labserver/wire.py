@@ -17,7 +17,7 @@ HEADER_COMPUTE_MS = "x-compute-ms"  # model time of the batch it rode in, ms
 HEADER_BATCH_SIZE = "x-batch-size"  # items in that batch
 HEADER_BATCH_ID = "x-batch-id"  # server-wide batch counter, for timelines
 HEADER_DISPATCH = "x-dispatch-reason"  # why that batch left: full, deadline, idle, ...
-HEADER_SERVER_MS = "x-server-ms"  # enqueue of the first item to the response, ms
+HEADER_SERVER_MS = "x-server-ms"  # the handler's start (before the body is read) to the response, ms
 
 SERVER_HEADERS = (
     HEADER_REQUEST_ID,
@@ -60,5 +60,5 @@ GENERATE_PATH = "/generate"
 SSE_TOKEN = b"event: token\n"
 SSE_DONE = b"event: done\n"
 SSE_ERROR = b"event: error\n"
-# "timing" in the JSON answer and in the done event (server clock, ms from enqueue):
+# "timing" in the JSON answer and in the done event (server clock, ms from the handler's start):
 TIMING_FIELDS = ("queue_ms", "ttft_ms", "server_ms", "steps", "mean_step_batch")

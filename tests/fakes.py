@@ -63,7 +63,7 @@ class SteppedGen:
     """
 
     def __init__(self) -> None:
-        from labserver.genmodels import SyntheticGen
+        from labserver.models import SyntheticGen
 
         self.inner = SyntheticGen(0, 0)
         self.permits = threading.Semaphore(0)

@@ -22,7 +22,7 @@ from labserver.analysis import (
     sweep,
     window_s,
 )
-from labserver.theory import md1_mean_response_ms
+from labserver.analysis.theory import md1_mean_response_ms
 
 COLUMNS = [
     "i", "scheduled_s", "sent_s", "done_s", "status", "error", "latency_ms", "send_latency_ms", "late_ms",

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from labserver.arrivals import (WORDS, Constant, FileLines, OnOff, Poisson, Ramp, Replay, Steps,
+from labserver.load.arrivals import (WORDS, Constant, FileLines, OnOff, Poisson, Ramp, Replay, Steps,
                                 WordTexts, iter_payloads, make_arrival, take_payloads)
 
 

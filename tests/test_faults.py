@@ -27,14 +27,15 @@ import pytest
 import labserver
 from labserver import launch, wire
 from labserver.config import ServerConfig
-from labserver.engine import Engine, Limits
+from labserver.engine import BatchEngine
+from labserver.strategies import Limits
 from labserver.models import POISON, ModelError, ModelLoadError, load_model, minilm_dir
-from labserver.strategies import STRATEGIES, make_strategy
+from labserver.strategies import STRATEGIES, make_strategy, strategy_names
 
 from .fakes import CrashModel
 from .test_server import assert_error, wait_until
 
-ALL = list(STRATEGIES)
+ALL = strategy_names("encode")
 BATCHING = [s for s in ALL if s != "naive"]  # naive always runs one item per call
 INLINE = [s for s in ALL if not STRATEGIES[s].offload]
 SECRET = "/opt/internal/secret_module.py"
@@ -227,7 +228,7 @@ def test_inline_strategies_answer_between_batches(strategy: str) -> None:
         return [{"text": t} for t in texts]
 
     async def main() -> None:
-        e = Engine(make_strategy(strategy, Limits(max_batch_size=1)), model)
+        e = BatchEngine(make_strategy(strategy, Limits(max_batch_size=1)), model)
         e.start()
         items = e.submit(["a", "b", "c"])
 
@@ -263,7 +264,7 @@ def test_inline_retries_after_a_failure_let_the_loop_run(strategy: str) -> None:
                 ticks += 1
                 await asyncio.sleep(0)
 
-        e = Engine(make_strategy(strategy, Limits(max_batch_size=8, max_wait_ms=1000)), model)
+        e = BatchEngine(make_strategy(strategy, Limits(max_batch_size=8, max_wait_ms=1000)), model)
         e.start()
         t = asyncio.create_task(ticker())
         items = e.submit([f"t{i}" for i in range(7)] + [POISON])

@@ -105,6 +105,16 @@ def test_latency_cdf_one_line_per_label_with_marks(ax, two_labels):
     assert len(line.get_xdata()) == 112 and line.get_ydata()[-1] == pytest.approx(1.0)
 
 
+def test_a_stream_that_broke_off_after_its_200_is_not_an_answer(ax):
+    """One definition of "ok" for the summaries and the pictures: 2xx and no error."""
+    run = fake_run(50.0).assign(label="x")
+    run.loc[5, ["error", "latency_ms"]] = ["stream_incomplete", 99_999.0]  # status stays 200
+    plots.latency_cdf(run, ax=ax)
+    drawn = ax.lines[0].get_xdata()
+    assert len(drawn) == len(analysis.measured(run)) - 1 and max(drawn) < 99_999.0
+    assert analysis.summarize(run)["n_ok"] == len(drawn)
+
+
 def test_latency_cdf_tail_view_and_unlabelled_frame(ax):
     plots.latency_cdf(fake_run(50.0), ax=ax, tail=True, marks=(99.0,))
     assert ax.get_yscale() == "log" and len(ax.lines) == 1 and len(ax.collections) == 1

@@ -31,8 +31,8 @@ import labserver
 from labserver import analysis
 from labserver.loadgen import run_load_sync
 from labserver.strategies import make_strategy
-from labserver.theory import md1_mean_response_ms
-from labserver.virtual import simulate
+from labserver.analysis.theory import md1_mean_response_ms
+from labserver.engine.virtual import simulate
 
 SERVICE_MS = 20.0  # long enough that the loop's own HTTP work per request is a small share
 

@@ -234,7 +234,7 @@ def test_event_loop_responsive_over_http_with_thread_not_naive() -> None:
         with labserver.serve(strategy, "synthetic:400+0") as h, httpx.Client() as c:
             t = threading.Thread(target=lambda: c.post(h.url + "/", content=b"slow"))
             t.start()
-            wait_until(lambda: h.runtime.engine.computing or h.runtime.engine.counters.batches)
+            wait_until(lambda: h.runtime.engine.in_flight or h.runtime.engine.counters.batches)
             t0 = time.perf_counter()
             httpx.get(h.url + "/health")
             took = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """The soak: a server kept at twice its capacity, with poison and leavers, every promise counted.
 
 The normal test run soaks four strategies for a few seconds each, in a child server
-process per strategy (``labserver.soak.run``); ``pytest -m slow`` runs the full size,
+process per strategy (``labserver.experiments.soak.run``); ``pytest -m slow`` runs the full size,
 a minute per strategy. The checker itself is tested on hand-made results, so a
 promise it stopped checking would show here.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import pytest
 
-from labserver.soak import Record, SoakConfig, SoakResult, _Client, run, table
+from labserver.experiments.soak import Record, SoakConfig, SoakResult, run, table
 
 # a few seconds each; the SLO doubled (so 503s must come back within 200 ms, not 100) because the normal
 # test run shares 2 cores with whatever else the machine does, and an inline server cannot answer while
@@ -164,33 +164,3 @@ def test_table_has_a_row_per_figure_and_a_column_per_run() -> None:
     assert len(lines) == 2 + len(a.counts()) - 1
     assert "| server outcomes (must = sent) | 4 | 4 |" in lines
     assert a.as_dict()["problems"] == []
-
-
-def test_client_never_sends_on_a_connection_the_server_closed() -> None:
-    """Connections the server drops while idle (keep-alive timeout) must not cost a request."""
-    async def main() -> int:
-        served = 0
-
-        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            nonlocal served
-            await reader.readuntil(b"\r\n\r\n")
-            served += 1
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")  # keep-alive implied ...
-            await writer.drain()
-            writer.close()  # ... and the connection closed anyway, as after an idle timeout
-            await writer.wait_closed()
-
-        server = await asyncio.start_server(handle, "127.0.0.1", 0)
-        client = _Client("127.0.0.1", server.sockets[0].getsockname()[1])
-        try:
-            for pause_s in (0.05, 0.0, 0.05):  # the close seen while idle, or only when used
-                answers = await asyncio.gather(*(client.request("GET", "/") for _ in range(4)))
-                assert [(status, body) for status, _, body in answers] == [(200, b"ok")] * 4
-                await asyncio.sleep(pause_s)
-        finally:
-            await client.aclose()
-            server.close()
-            await server.wait_closed()
-        return served
-
-    assert asyncio.run(main()) == 12

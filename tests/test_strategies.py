@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from labserver.engine import Limits
-from labserver.strategies import STRATEGIES, Deadline, Strategy, make_strategy, register
-from labserver.virtual import simulate, simulate_closed
+from labserver.strategies import Limits
+from labserver.strategies import STRATEGIES, Deadline, Strategy, make_strategy, register, strategy_names
+from labserver.engine.virtual import simulate, simulate_closed
 
 BATCHING = ["per-fetch", "deadline", "thread", "adaptive"]
 
@@ -15,7 +15,7 @@ def ms(*values: float) -> list[float]:
     return [v / 1000 for v in values]
 
 
-@pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.parametrize("name", strategy_names("encode"))
 def test_batch_cap_is_respected(name: str) -> None:
     s = make_strategy(name, Limits(max_batch_size=8, max_wait_ms=5))
     run = simulate(s, arrivals_s=[0.0] * 100, service_ms=lambda n: 1.0)

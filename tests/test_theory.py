@@ -1,4 +1,4 @@
-"""Tests for labserver.theory against values worked out by hand."""
+"""Tests for labserver.analysis.theory against values worked out by hand."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from labserver import theory
-from labserver.theory import (
+from labserver.analysis import theory
+from labserver.analysis.theory import (
     capacity_rps,
     md1_mean_response_ms,
     mg1_mean_response_ms,

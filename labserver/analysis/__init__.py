@@ -1,0 +1,50 @@
+"""What load-test records say: summaries, token metrics, batches, sweeps, queueing theory.
+
+- ``records``: stacking runs (``combine``), the rows every figure counts (``measured``,
+  ``ok``, ``window_s``), batches and request phases reconstructed from the server's headers;
+- ``summary``: ``summarize`` / ``summarize_runs``, the one summary (one name, one formula per figure);
+- ``tokens``: TTFT, TPOT, inter-token latency and goodput of generation runs;
+- ``sweep``: the highest offered rate that meets a latency SLO;
+- ``theory``: M/D/1, M/M/1 and M/G/1 predictions to hold measurements against.
+
+Nothing here knows of HTTP or matplotlib.
+"""
+
+from __future__ import annotations
+
+from .records import (RUN_KEYS, batch_size_counts, batches, combine, measured, ok, request_phases, run_keys,
+                      unpack, window_s)
+from .summary import PERCENTILE_METHOD, PERCENTILES, summarize, summarize_runs, summary_row
+from .sweep import SweepResult, sweep
+from .theory import (capacity_rps, md1_mean_response_ms, mg1_mean_response_ms, mm1_mean_response_ms,
+                     mm1_response_quantile_ms, utilization)
+from .tokens import combine_tokens, gen_summary, itl_ms
+
+__all__ = [
+    "PERCENTILES",
+    "PERCENTILE_METHOD",
+    "RUN_KEYS",
+    "SweepResult",
+    "batch_size_counts",
+    "batches",
+    "capacity_rps",
+    "combine",
+    "combine_tokens",
+    "gen_summary",
+    "itl_ms",
+    "md1_mean_response_ms",
+    "measured",
+    "mg1_mean_response_ms",
+    "mm1_mean_response_ms",
+    "mm1_response_quantile_ms",
+    "ok",
+    "request_phases",
+    "run_keys",
+    "summarize",
+    "summarize_runs",
+    "summary_row",
+    "sweep",
+    "unpack",
+    "utilization",
+    "window_s",
+]

@@ -1,0 +1,262 @@
+"""What every engine shares: the queue, the lifecycle, the door, the counters, dropping the gone.
+
+An engine joins one strategy, one model and one queue with a worker coroutine. Two
+kinds exist and neither inherits from the other: ``BatchEngine`` (encoders: one model
+call answers a batch) and ``StepEngine`` (generation: one model call per token). Both
+stand on ``EngineBase``, which holds what does not depend on the kind of work:
+
+- the queue (``ItemQueue``): a FIFO with ``get(timeout_s)``, the one waiting primitive
+  strategies use, which never hands out a request whose future is already done;
+- the lifecycle: ``start`` (the worker, and the model thread for offloading strategies),
+  ``drain`` (stop taking requests, finish what is queued for a grace period, answer
+  the rest 503), ``stop``, and what happens when the worker dies (every waiter: 503);
+- the door (``admit_or_refuse``): 503 when dead, stopping or full, counted;
+- ``live``: at dispatch, a request whose client left is skipped and one whose deadline
+  passed is answered 504, counted, never computed;
+- ``Counters``: the outcomes every engine counts, so ``/stats`` and ``/metrics`` read
+  them the same way whatever the strategy.
+
+Nothing here knows HTTP, Starlette or torch; outcomes are plain results or exceptions
+that the server maps to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..strategies import Strategy
+from .runner import ModelThread, WorkerDied, settle
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Counters", "EngineBase", "Expired", "ItemQueue", "Overloaded", "ShuttingDown", "WorkerDied"]
+
+
+class Overloaded(Exception):
+    """The queue is at max_queue: reject now (503) rather than wait forever."""
+
+
+class Expired(Exception):
+    """The request's deadline passed before it was computed (504)."""
+
+
+class ShuttingDown(Exception):
+    """The server is stopping and this request was not (fully) computed (503)."""
+
+
+class Waiter(Protocol):
+    """A queued request: an encoder item or a generation sequence."""
+
+    future: Any  # done once answered, failed, or abandoned by its client
+    deadline_s: float  # clock time after which it must not be computed, s
+
+
+class ItemQueue:
+    """A FIFO with ``get(timeout_s)``: the one waiting primitive strategies use.
+
+    Requests whose future is already done (client gone, timed out) are skipped and
+    counted, never handed out.
+    """
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future[bool] | None = None
+        self.skipped = 0  # dead requests dropped at the head of the queue, never computed
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, items: list[Any]) -> None:
+        self._items.extend(items)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(True)
+
+    def empty(self) -> bool:
+        self._prune()
+        return not self._items
+
+    def _prune(self) -> None:
+        while self._items and self._items[0].future.done():
+            self._items.popleft()
+            self.skipped += 1
+
+    def drain(self) -> list[Any]:
+        items, self._items = list(self._items), deque()
+        return items
+
+    def putback(self, item: Any) -> None:
+        """Return a request just taken to the head of the queue (it did not fit; it goes first next time)."""
+        self._items.appendleft(item)
+
+    async def get(self, timeout_s: float | None = None) -> Any:
+        """The next live request; None if none arrived within timeout_s (None = wait forever)."""
+        loop = asyncio.get_running_loop()
+        end_s = None if timeout_s is None else loop.time() + timeout_s
+        while True:
+            self._prune()
+            if self._items:
+                return self._items.popleft()
+            remaining = None if end_s is None else end_s - loop.time()
+            if remaining is not None and remaining <= 0:
+                return None
+            self._waiter = loop.create_future()
+            timer = None if remaining is None else loop.call_later(remaining, _wake, self._waiter)
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+
+
+def _wake(fut: asyncio.Future[bool]) -> None:
+    if not fut.done():
+        fut.set_result(False)
+
+
+@dataclass
+class Counters:
+    """Outcomes every engine counts (per item for encoders, per sequence for generation)."""
+
+    rejected_overload: int = 0  # refused at the door (503)
+    expired: int = 0  # deadline passed while queued: 504, never computed
+    skipped_dead: int = 0  # client gone while queued: never computed (see also ItemQueue.skipped)
+    failed: int = 0  # model errors
+    computed_after_deadline: int = 0  # must stay 0: counted, not assumed
+    reasons: Counter[str] = field(default_factory=Counter)  # why batches left / why prefills happened
+
+
+class EngineBase:
+    """One strategy, one model, one queue and the worker that joins them (see the module docstring)."""
+
+    counters: Counters
+
+    def __init__(self, strategy: Strategy, model: Any, *, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.strategy = strategy
+        self.limits = strategy.limits
+        self.model = model
+        self.clock = clock
+        self.queue = ItemQueue()
+        self.in_flight: list[Any] = []  # requests in the model now: what drain waits for and a dying worker fails
+        self.dead: BaseException | None = None  # why the worker stopped, if it did
+        self.accepting = False
+        self._task: asyncio.Task[None] | None = None
+        self._thread: ModelThread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.strategy.offload:
+            self._thread = ModelThread(loop, self._died)
+        self._task = loop.create_task(self._work(), name=f"labserver-{self.strategy.name}")
+        self._task.add_done_callback(self._task_done)
+        self.accepting = True
+
+    async def _work(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def healthy(self) -> bool:
+        return self.accepting and self.dead is None
+
+    async def drain(self, grace_s: float = 10.0) -> None:
+        """Stop taking requests; finish what is queued for up to grace_s, then answer the rest 503.
+
+        Work in the model is not cut short here (``cut_short`` is each engine's call).
+        """
+        self.accepting = False
+        end_s = self.clock() + grace_s
+        while (len(self.queue) or self.in_flight) and self.clock() < end_s and self.dead is None:
+            await asyncio.sleep(0.005)
+        self.fail(self.queue.drain(), ShuttingDown("server is shutting down; retry elsewhere"))
+        self.cut_short()
+
+    def cut_short(self) -> None:
+        """After a drain: what to do with work still in the model (a batch finishes; generation overrides)."""
+
+    async def stop(self, in_flight_timeout_s: float = 60.0) -> None:
+        """Drain with no grace, let the work in flight finish, then end the worker."""
+        await self.drain(0)
+        end_s = self.clock() + in_flight_timeout_s
+        while self.in_flight and self.clock() < end_s and self.dead is None:
+            await asyncio.sleep(0.005)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.wait([self._task])  # its end (cancelled, or the fault that killed it) is already handled
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.stop)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self.dead is not None:
+            return
+        err = task.exception() or RuntimeError("worker returned")
+        self._died(WorkerDied(f"worker stopped: {type(err).__name__}: {err}"))
+
+    def _died(self, err: BaseException) -> None:
+        if self.dead is None:
+            logger.critical("labserver worker is gone; answering 503 from now on: %s", err)
+        self.dead = err
+        self.fail(self.queue.drain() + self.in_flight, WorkerDied(str(err)))
+
+    @staticmethod
+    def fail(waiters: list[Waiter], err: BaseException) -> None:
+        for w in waiters:
+            settle(w.future, None, err)
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn on the model thread (inline when there is none: the model on the loop, or a virtual clock)."""
+        if self._thread is not None:
+            return await self._thread.submit(fn, *args)
+        return fn(*args)
+
+    # -- the door and the dispatch -------------------------------------------------------
+    def admit_or_refuse(self, n: int) -> None:
+        """Raise WorkerDied, ShuttingDown or Overloaded (counted) unless ``n`` more may queue."""
+        if self.dead is not None:
+            raise WorkerDied("the model worker is gone")
+        if not self.accepting:
+            raise ShuttingDown("server is not accepting requests")
+        max_queue = self.limits.max_queue
+        if max_queue is not None and len(self.queue) + n > max_queue:
+            self.counters.rejected_overload += n
+            raise Overloaded(f"queue is full ({len(self.queue)} of {max_queue} waiting); retry later")
+
+    def deadline_s(self, now: float) -> float:
+        timeout_ms = self.limits.timeout_ms
+        return now + timeout_ms / 1000 if timeout_ms is not None else math.inf
+
+    def live(self, waiting: list[Waiter], now: float, why_expired: str) -> list[Any]:
+        """The requests still wanted at dispatch: a client gone is skipped, a deadline passed answered 504."""
+        keep = []
+        for w in waiting:
+            if w.future.done():
+                self.counters.skipped_dead += 1
+            elif w.deadline_s < now:
+                self.counters.expired += 1
+                w.future.set_exception(Expired(why_expired))
+            else:
+                keep.append(w)
+        return keep
+
+    # -- what /stats shows ----------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "strategy": self.strategy.name,
+            "limits": vars(self.limits).copy(),
+            "queue_depth": len(self.queue),
+            "computing": len(self.in_flight),
+            "healthy": self.healthy,
+            "items_failed": c.failed,
+            "expired_in_queue": c.expired,
+            "skipped_client_gone": c.skipped_dead + self.queue.skipped,
+            "rejected_overload": c.rejected_overload,
+            "computed_after_deadline": c.computed_after_deadline,
+        }

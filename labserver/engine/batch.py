@@ -1,0 +1,159 @@
+"""The batch engine: encoder requests become items, one model call answers a batch of them.
+
+A request's texts become ``Item``s on the queue. The worker asks the strategy for the
+next batch (``Strategy.collect``), drops items whose client left or whose deadline
+passed (``EngineBase.live``), runs the model (inline on the event loop, or on the
+model thread) and resolves each item's future with its output or its error. A batch
+that raises is split and retried (``labserver.engine.runner``), so one bad input
+fails alone. Every batch is recorded (``BatchRecord``).
+
+The model is any callable from a list of texts to a list of outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..strategies import Strategy
+from .base import Counters, EngineBase, ShuttingDown
+from .runner import ModelFn, WorkerDied, isolating_steps, let_loop_run, run_isolating, settle
+
+__all__ = ["BatchCounters", "BatchEngine", "BatchRecord", "Item"]
+
+
+@dataclass
+class BatchRecord:
+    batch_id: int
+    size: int
+    reason: str  # why it left: full, deadline, idle, timeout, single, ...
+    dispatched_s: float  # clock time the batch went to the model, s
+    queue_wait_ms: float  # mean over its items of enqueue -> dispatch, ms
+    compute_ms: float = math.nan  # model time, retries included, ms
+    failed: int = 0  # items that got a model error
+    calls: int = 0  # model calls it took (1 unless a failure made us split it)
+
+
+@dataclass(eq=False)
+class Item:
+    text: str
+    future: asyncio.Future[Any]
+    enqueued_s: float  # clock time it joined the queue, s
+    deadline_s: float = math.inf  # clock time after which it must not be computed, s
+    request_id: str = ""
+    batch: BatchRecord | None = None  # set when dispatched
+
+    @property
+    def queue_ms(self) -> float:
+        return math.nan if self.batch is None else (self.batch.dispatched_s - self.enqueued_s) * 1000
+
+
+@dataclass
+class BatchCounters(Counters):
+    batches: int = 0
+    items_computed: int = 0
+    model_calls: int = 0
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+
+
+class BatchEngine(EngineBase):
+    """An encoder strategy, a model callable, the queue and the batch worker."""
+
+    def __init__(self, strategy: Strategy, model: ModelFn, *, clock: Callable[[], float] = time.perf_counter,
+                 history: int = 20_000) -> None:
+        super().__init__(strategy, model, clock=clock)
+        self.counters = BatchCounters()
+        self.batches: deque[BatchRecord] = deque(maxlen=history)  # the most recent batches
+        self._ids = itertools.count(1)
+
+    def submit(self, texts: list[str], request_id: str = "") -> list[Item]:
+        """Queue one request's texts, all or nothing. Raises Overloaded/ShuttingDown/WorkerDied."""
+        self.admit_or_refuse(len(texts))
+        loop = asyncio.get_running_loop()
+        now = self.clock()
+        deadline = self.deadline_s(now)
+        items = [Item(t, loop.create_future(), now, deadline, request_id) for t in texts]
+        self.queue.put(items)
+        return items
+
+    async def _work(self) -> None:
+        while True:
+            batch, reason = await self.strategy.collect(self.queue, self.clock)
+            now = self.clock()  # one reading for the expiry check and the dispatch time
+            live = self.live(batch, now, "deadline passed while queued")
+            if live:
+                await self._compute(live, reason, now)
+                if self._thread is None:
+                    await let_loop_run()
+
+    async def _compute(self, items: list[Item], reason: str, now: float) -> None:
+        record = BatchRecord(
+            batch_id=next(self._ids),
+            size=len(items),
+            reason=reason,
+            dispatched_s=now,
+            queue_wait_ms=sum(now - i.enqueued_s for i in items) / len(items) * 1000,
+        )
+        for item in items:
+            item.batch = record
+            if item.deadline_s < now:  # live() (same clock reading) makes this impossible; count, don't assume
+                self.counters.computed_after_deadline += 1
+        self.in_flight = items
+        texts = [i.text for i in items]
+        try:
+            if self._thread is not None:
+                results, calls = await self._thread.submit(run_isolating, self.model, texts)
+            else:  # blocks the event loop (the point), one model call at a time
+                steps = isolating_steps(self.model, texts)
+                while True:
+                    try:
+                        next(steps)
+                    except StopIteration as done:
+                        results, calls = done.value
+                        break
+                    await let_loop_run()
+        except asyncio.CancelledError:
+            self.fail(items, ShuttingDown("server stopped during compute"))
+            raise
+        except BaseException as e:  # not a model error (those come back as results): the worker dies
+            self.fail(items, e if isinstance(e, WorkerDied) else WorkerDied(f"{type(e).__name__}: {e}"))
+            raise
+        finally:
+            self.in_flight = []
+        record.compute_ms = (self.clock() - now) * 1000
+        record.calls = calls
+        self._account(record)
+        for item, result in zip(items, results, strict=True):
+            if isinstance(result, Exception):
+                record.failed += 1
+                self.counters.failed += 1
+                settle(item.future, None, result)
+            else:
+                settle(item.future, result, None)
+
+    def _account(self, record: BatchRecord) -> None:
+        c = self.counters
+        c.batches += 1
+        c.model_calls += record.calls
+        c.items_computed += record.size
+        c.batch_sizes[record.size] += 1
+        c.reasons[record.reason] += 1
+        self.batches.append(record)
+        self.strategy.observe(record.size, record.compute_ms)
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            **super().stats(),
+            "batches": c.batches,
+            "model_calls": c.model_calls,
+            "items_computed": c.items_computed,
+            "batch_size_histogram": {str(k): v for k, v in sorted(c.batch_sizes.items())},
+            "dispatch_reasons": dict(c.reasons),
+        }

@@ -1,0 +1,283 @@
+"""transformers' ContinuousBatchingManager behind a small callback interface, for ``gen-hf-cb``.
+
+What this is: an adapter, and the loop that feeds it (``serve_through_manager``). transformers (5.23) can run continuous batching itself:
+``model.init_continuous_batching(...)`` returns a ``ContinuousBatchingManager`` with its own
+generation thread, FIFO scheduler, paged KV cache and chunked prefill. ``HFManager`` hands
+it token ids and turns its results into three callbacks per request (``on_tokens``,
+``on_done``, ``on_error``), so the serving side never touches transformers.
+
+What this is not: a scheduler. Every decision about who shares a step is the manager's;
+labserver only decides how many requests it hands over (its queue, its caps). There is
+no step log: the steps happen inside the manager.
+
+Threads. The manager runs one generation thread. It puts a ``GenerationOutput`` on its
+output queue at every step of a streaming request (the *cumulative* generated tokens,
+a status, an error string); one reader thread of ours (``hfcb-results``) takes them off
+with ``get_result`` and calls the callbacks, **on that reader thread**: marshal them onto
+an event loop with ``loop.call_soon_threadsafe``. The manager's other delivery route,
+``register_result_handler``, needs a running asyncio loop in the submitting thread and
+calls the handler on it, and an output that arrives before the handler is registered
+falls back to the shared queue; the reader thread is simpler and works from any thread.
+
+What maps (``ContinuousBatchingConfig``):
+
+- ``max_running`` -> ``max_requests_per_batch``: a cap on requests *per forward pass*, not
+  on requests admitted. Beyond it the manager still admits requests and serves them in
+  later passes, so the caller should also hold back work (``gen-hf-cb`` does).
+- ``max_kv_tokens`` -> ``num_blocks = ceil(max_kv_tokens / page_size)``, with
+  ``page_size = PAGE_TOKENS``: the cache holds a multiple of the page size, rounded up.
+  Left as None, transformers would take 60% of free RAM on a CPU (90% of a GPU's), so we
+  size it for ``max_running`` (or 32) sequences of full context instead. While under 15% of
+  blocks are free (its ``safety_margin``) it starts at most one new prompt per step, and
+  when the cache is full it re-queues a request with its tokens so far as a new prompt
+  (CPU offload is off). One request larger than the whole cache would end its generation
+  thread ("No requests can be scheduled and no requests can be offloaded"), failing all
+  the others, so ``submit`` rejects it first.
+- ``max_batch_tokens`` (tokens per forward pass; a longer prompt is prefilled in chunks) is
+  not in labserver's limits: it defaults to the model's context, so any prompt fits one
+  pass. Memory it costs up front: an SDPA mask of ``max_batch_tokens x (cache + max_batch_tokens)``
+  floats.
+
+Memory: unlike ``labserver.gpt2``'s slot cache, which grows on demand, the whole paged cache
+(``num_blocks x page_size`` tokens x layers x K and V) is allocated and zeroed in ``start()``:
+for gpt2-random, 72 KiB a token, so 32 sequences of 1,024 tokens are 2.3 GB and about 6 s
+on a 2-core CPU.
+
+Decoding is greedy (``do_sample=False``). ``ignore_eos`` passes ``eos_token_id=-1`` for that
+request (the manager keeps only non-negative EOS ids). Works on CPU with SDPA attention
+(no flash attention, CUDA graphs, async batching or decode fast path there, which the
+manager turns off by itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..models import InputRejected, ModelError
+
+if TYPE_CHECKING:
+    from ..models.gpt2 import GPT2Gen
+    from .step import Seq, StepEngine
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PAGE_TOKENS", "HFManager", "serve_through_manager"]
+
+PAGE_TOKENS = 32  # KV-cache page size, tokens (transformers' default is 256: coarse for small caches)
+_DEFAULT_SEQS = 32  # sequences of full context the cache holds when neither cap is given
+_POLL_S = 0.05  # the reader's wait for an output before it checks whether to stop, s
+_STOP_TIMEOUT_S = 30.0  # longest wait for the generation thread to end, s
+
+
+@dataclass
+class _Request:
+    limit: int  # tokens it may generate (max_new_tokens, capped by the model's context)
+    on_tokens: Callable[[list[int]], None]
+    on_done: Callable[[str], None]
+    on_error: Callable[[Exception], None]
+    sent: int = 0  # tokens already passed to on_tokens
+
+
+class HFManager:
+    """Submit token ids, get tokens back through callbacks on the ``hfcb-results`` thread."""
+
+    def __init__(self, gen_model: GPT2Gen, *, max_running: int | None, max_kv_tokens: int | None,
+                 max_batch_tokens: int | None = None) -> None:
+        from transformers import ContinuousBatchingConfig
+
+        if max_running is not None and max_running < 1:
+            raise ValueError(f"max_running must be at least 1 (got {max_running}), or None for no cap")
+        if max_kv_tokens is not None and max_kv_tokens < PAGE_TOKENS:
+            raise ValueError(f"max_kv_tokens must be at least one page ({PAGE_TOKENS} tokens), got {max_kv_tokens}")
+        self.hf_model = gen_model.hf_model
+        self.eos_id = gen_model.eos_id
+        self.max_context = gen_model.max_context
+        kv_tokens = max_kv_tokens if max_kv_tokens is not None else (max_running or _DEFAULT_SEQS) * self.max_context
+        batch_tokens = max_batch_tokens or max(self.max_context, max_running or 0)
+        self.cb_config = ContinuousBatchingConfig(
+            page_size=PAGE_TOKENS,
+            num_blocks=math.ceil(kv_tokens / PAGE_TOKENS),
+            max_batch_tokens=batch_tokens,
+            max_requests_per_batch=min(max_running, batch_tokens) if max_running else None,  # None: 1024
+            seed=0,  # greedy anyway; a fixed seed keeps transformers from logging a random one
+        )
+        self.manager: Any = None  # transformers' ContinuousBatchingManager, once started
+        self._requests: dict[str, _Request] = {}  # request id -> callbacks, while it runs
+        self._lock = threading.RLock()  # held while calling back: after cancel() returns, silence
+        self._closing = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Create the manager and its paged cache (here, so a failure raises), start its thread and our reader."""
+        from transformers import GenerationConfig
+
+        if self.manager is not None:
+            raise RuntimeError("HFManager.start() was already called; make a new HFManager")
+        generation = GenerationConfig(do_sample=False, eos_token_id=self.eos_id,
+                                      pad_token_id=self.hf_model.config.pad_token_id)
+        self.manager = self.hf_model.init_continuous_batching(generation_config=generation,
+                                                              continuous_batching_config=self.cb_config)
+        self.manager.warmup()  # on CPU this only allocates the cache (no CUDA graphs to capture)
+        self.manager.start()
+        self._reader = threading.Thread(target=self._read, name="hfcb-results", daemon=True)
+        self._reader.start()
+
+    def stop(self) -> None:
+        """Stop now (not after the work in flight): each unfinished request gets on_error once."""
+        if self.manager is None or self._closing.is_set():
+            return
+        self._closing.set()
+        self.manager.stop(block=True, timeout=_STOP_TIMEOUT_S, hard_stop=True)
+        self.manager.destroy()
+        if self._reader is not None:
+            self._reader.join()
+        with self._lock:
+            left, self._requests = self._requests, {}
+        for rid, req in left.items():
+            self._call(rid, req.on_error, ModelError("generation stopped before this request finished"))
+
+    @property
+    def alive(self) -> bool:
+        """Started, not stopped, and the manager's generation thread still runs."""
+        return self.manager is not None and not self._closing.is_set() and self.manager.is_running()
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the paged cache holds once started (num_blocks x page size, after rounding)."""
+        processor = self.manager.batch_processor if self.manager is not None else None
+        blocks = processor.cache.num_blocks if processor is not None else self.cb_config.num_blocks
+        return blocks * PAGE_TOKENS
+
+    # -- requests -----------------------------------------------------------------------------
+    def submit(self, seq_id: int, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool,
+               on_tokens: Callable[[list[int]], None], on_done: Callable[[str], None],
+               on_error: Callable[[Exception], None]) -> None:
+        """Hand one request to the manager. Errors found here call on_error at once, on this thread."""
+        rid = str(seq_id)
+        # the last generated token is never fed back: a prompt of P tokens leaves room for context - P + 1
+        limit = min(max_new_tokens, self.max_context - len(prompt_ids) + 1)
+        if not self.alive:
+            on_error(ModelError("transformers' continuous batching manager is not running"))
+            return
+        if not prompt_ids or limit < 1:
+            on_error(InputRejected(f"a prompt of {len(prompt_ids)} tokens leaves no room in "
+                                   f"{self.max_context} tokens of context"))
+            return
+        if len(prompt_ids) + limit > self.kv_tokens:  # the manager would fail *every* request and stop
+            on_error(InputRejected(f"needs {len(prompt_ids) + limit} KV-cache tokens; the manager's cache holds "
+                                   f"{self.kv_tokens}: ask for fewer tokens or raise max_kv_tokens"))
+            return
+        with self._lock:
+            if rid in self._requests:
+                raise ValueError(f"sequence {seq_id} is already running in the manager")
+            self._requests[rid] = _Request(limit, on_tokens, on_done, on_error)
+        accepted = self.manager.add_request(list(prompt_ids), request_id=rid, max_new_tokens=limit,
+                                            streaming=True, eos_token_id=-1 if ignore_eos else self.eos_id)
+        if accepted is None:  # the manager is stopping or crashed: it dropped the request
+            with self._lock:
+                mine = self._requests.pop(rid, None) is not None  # (else stop() already answered it)
+            if mine:
+                on_error(ModelError("transformers' continuous batching manager refused the request (stopping)"))
+
+    def cancel(self, seq_id: int) -> None:
+        """Stop decoding it and free its cache. After this returns, none of its callbacks run."""
+        rid = str(seq_id)
+        with self._lock:
+            known = self._requests.pop(rid, None) is not None
+        if known and self.manager is not None:
+            self.manager.cancel_request(rid)  # a queue put: the generation thread drops it before its next step
+
+    # -- the reader thread ------------------------------------------------------------------
+    def _read(self) -> None:
+        while not self._closing.is_set():
+            out = self.manager.get_result(timeout=_POLL_S)
+            if out is not None:
+                self._deliver(out)
+            elif not self.manager.is_running():  # it crashed: its thread failed what it held (delivered above)
+                self._fail_all(self.manager.background_thread_status.fatal_error)
+                self._closing.wait(_POLL_S)
+
+    def _deliver(self, out: Any) -> None:
+        """One GenerationOutput (cumulative tokens) -> new tokens, then done or error if it ended."""
+        from transformers.generation.continuous_batching.requests import RequestStatus
+
+        with self._lock:
+            req = self._requests.get(out.request_id)
+            if req is None:  # cancelled, or already answered
+                return
+            if out.is_finished():
+                del self._requests[out.request_id]
+            new = out.generated_tokens[req.sent:]
+            req.sent = len(out.generated_tokens)
+            if out.status == RequestStatus.FAILED:
+                self._call(out.request_id, req.on_error, ModelError(f"transformers' manager: {out.error}"))
+                return
+            if new:
+                self._call(out.request_id, req.on_tokens, new)
+            if out.status == RequestStatus.FINISHED:  # length first, as labserver.engine.step.Seq.emit decides
+                self._call(out.request_id, req.on_done, "length" if req.sent >= req.limit else "eos")
+
+    def _fail_all(self, error: BaseException | None) -> None:
+        with self._lock:
+            left, self._requests = self._requests, {}
+            for rid, req in left.items():
+                self._call(rid, req.on_error, ModelError(f"transformers' manager stopped: {error}"))
+
+    @staticmethod
+    def _call(rid: str, callback: Callable[[Any], None], arg: Any) -> None:
+        try:
+            callback(arg)
+        except Exception:  # one bad callback must not end the reader for every other request
+            logger.exception("callback for request %s failed", rid)
+
+
+async def serve_through_manager(engine: StepEngine) -> None:
+    """The worker of ``gen-hf-cb``: hand queued sequences to transformers' manager, at most the cap at once.
+
+    The manager decides every step; the engine only keeps the books (``external_*``), so
+    503, 504 before the first token and a client that leaves behave as for the others.
+    """
+    loop = asyncio.get_running_loop()
+    limits = engine.limits
+    manager = HFManager(engine.model, max_running=limits.max_batch_size,  # type: ignore[arg-type]
+                        max_kv_tokens=limits.max_kv_tokens)
+    await engine.call(manager.start)  # warm-up takes seconds: on the model thread
+    room = asyncio.Event()
+
+    def feed(seq: Seq) -> None:
+        def on_tokens(tokens: list[int]) -> None:
+            loop.call_soon_threadsafe(engine.external_tokens, seq, tokens)
+
+        def on_done(reason: str) -> None:
+            loop.call_soon_threadsafe(engine.external_done, seq, reason, None)
+
+        def on_error(err: Exception) -> None:
+            loop.call_soon_threadsafe(engine.external_done, seq, None, err)
+
+        def left(_: object) -> None:  # client gone, 504 or shutdown: stop decoding it
+            if not seq.finished:
+                manager.cancel(seq.sid)
+                engine.external_done(seq, None, None)
+            room.set()
+
+        engine.external_join(seq)
+        seq.future.add_done_callback(left)
+        manager.submit(seq.sid, seq.prompt_ids, seq.max_new_tokens, seq.ignore_eos, on_tokens, on_done, on_error)
+
+    try:
+        while True:
+            while len(engine.running) >= limits.cap:
+                room.clear()
+                await room.wait()
+            seq: Seq = await engine.queue.get()
+            for live in engine.live([seq], engine.clock(), "no first token before timeout_ms"):
+                feed(live)
+    finally:
+        manager.stop()

@@ -1,0 +1,241 @@
+"""``labserver compare``, the main job: every strategy, the same load, a table, files and plots.
+
+``compare(cfg)`` starts every strategy in turn on one model (loaded once), loads it
+with the same open-loop schedule at a few offered rates (``experiments.runs``), and
+writes under ``out``: per-request records, the summary (CSV and JSON, with the config
+and the machine), the server's event-loop lag and, for generation, every token's
+arrival and the step log, then the plots. ``draw(out)`` redraws the plots from those
+files. ``CompareConfig`` is the encoder job (``--task encode``, on the embedded
+model); ``GenCompareConfig`` the generation job (``--task generate``, on gpt2-random).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pandas as pd
+
+from .. import plots
+from ..load.arrivals import WordTexts
+from ..load.lengths import UniformLength
+from ..load.results import RECORD_COLUMNS, LoadResult
+from ..models import load_model
+from .runs import Runs, machine_info, serve_and_load
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CompareConfig", "GenCompareConfig", "compare", "draw", "read", "table", "write"]
+
+
+@dataclass
+class CompareConfig:
+    """The encoder job: the encoder strategies on the embedded model."""
+
+    task: ClassVar[str] = "encode"
+    strategies: Sequence[str] = ("naive", "per-fetch", "deadline", "thread", "adaptive")
+    model: str = "minilm"
+    device: str = "auto"
+    rates: Sequence[float] = (25, 100, 200, 300)  # offered req/s; naive tops out near 120 on 2 CPU cores
+    duration_s: float = 12.0  # measured part of each run, s
+    warmup_s: float = 2.0  # sent before it and left out of the summaries, s
+    max_batch_size: int = 64
+    max_wait_ms: float = 1.0  # the guide's 1 ms
+    max_queue: int = 512  # circuit breaker: past this, 503 at once
+    timeout_ms: float | None = 5000.0  # per-request deadline: 504 after it
+    slo_ms: float = 500.0  # goodput counts answers within this
+    min_words: int = 8  # request texts: seeded sentences of this many words...
+    max_words: int = 24  # ...to this many (about 10-30 tokens)
+    seed: int = 0
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> CompareConfig:
+        """About a minute on 2 CPU cores: two rates, short runs."""
+        return cls(**{"rates": (25, 200), "duration_s": 4.0, "warmup_s": 1.0, **overrides})
+
+    def payload(self) -> WordTexts:
+        return WordTexts(min_words=self.min_words, max_words=self.max_words)
+
+    def server_options(self) -> dict[str, Any]:
+        return {"device": self.device, "max_batch_size": self.max_batch_size, "max_wait_ms": self.max_wait_ms,
+                "max_queue": self.max_queue, "timeout_ms": self.timeout_ms}
+
+    def load_options(self) -> dict[str, Any]:
+        return {"timeout_s": (self.timeout_ms or 60_000) / 1000 + 30}
+
+    def summarize(self, runs: Runs) -> pd.DataFrame:
+        return runs.summary(self.slo_ms)
+
+
+@dataclass
+class GenCompareConfig(CompareConfig):
+    """The generation job: the gen-* strategies on gpt2-random."""
+
+    task: ClassVar[str] = "generate"
+    strategies: Sequence[str] = ("gen-naive", "gen-static", "gen-continuous", "gen-hf-cb")
+    model: str = "gpt2-random"
+    # offered requests/s; on 2 CPU cores naive carries ~0.15, static ~0.35, continuous ~0.65 (benchmarks/genperf.py)
+    rates: Sequence[float] = (0.15, 0.3, 0.6)
+    duration_s: float = 60.0
+    warmup_s: float = 5.0
+    max_batch_size: int = 16  # sequences decoded together
+    max_kv_tokens: int | None = None
+    max_queue: int = 256
+    timeout_ms: float | None = 30_000.0  # no first token by then: 504 (an overloaded run ends instead of queueing)
+    min_tokens: int = 16  # output lengths: uniform in [min_tokens, max_tokens]
+    max_tokens: int = 256
+    ttft_slo_ms: float = 2000.0  # goodput: a request is good with TTFT and TPOT within these
+    tpot_slo_ms: float = 250.0
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> GenCompareConfig:
+        """A few minutes on 2 CPU cores: the small model, two rates, short outputs, short runs."""
+        return cls(**{"model": "gpt2-tiny-random", "rates": (5.0, 20.0), "duration_s": 5.0, "warmup_s": 1.0,
+                      "min_tokens": 8, "max_tokens": 64, "ttft_slo_ms": 500.0, "tpot_slo_ms": 50.0, **overrides})
+
+    def payload(self) -> WordTexts:
+        return WordTexts(min_words=self.min_words, max_words=self.max_words, dist="uniform")
+
+    def lengths(self) -> UniformLength:
+        return UniformLength(self.min_tokens, self.max_tokens)
+
+    def server_options(self) -> dict[str, Any]:
+        return {"device": self.device, "max_batch_size": self.max_batch_size, "max_kv_tokens": self.max_kv_tokens,
+                "max_queue": self.max_queue, "timeout_ms": self.timeout_ms, "max_new_tokens": max(self.max_tokens, 1)}
+
+    def load_options(self) -> dict[str, Any]:
+        return {"timeout_s": 1800.0}
+
+    def summarize(self, runs: Runs) -> pd.DataFrame:
+        summary = runs.summary(ttft_slo_ms=self.ttft_slo_ms, tpot_slo_ms=self.tpot_slo_ms)
+        return summary.merge(runs.idle_share(), on=["label", "rate"], how="left")
+
+
+def compare(cfg: CompareConfig | None = None, out: str | Path | None = None,
+            on_run: Callable[[str, float, LoadResult], None] | None = None) -> tuple[Runs, pd.DataFrame]:
+    """Run every strategy at every rate; write ``out`` (a results folder) when given.
+
+    ``on_run(label, rate, result)`` is called after each run (the CLI prints progress with it).
+    """
+    cfg = cfg or CompareConfig()
+    generate = cfg.task == "generate"
+    model = load_model(cfg.model, device=cfg.device, kind=cfg.task)
+    runs = serve_and_load(cfg.strategies, model, cfg.rates, duration_s=cfg.duration_s, warmup_s=cfg.warmup_s,
+                          payload=cfg.payload(), seed=cfg.seed, mode="generate" if generate else "text",
+                          new_tokens=cfg.lengths() if isinstance(cfg, GenCompareConfig) else 64,
+                          load_options=cfg.load_options(), on_run=on_run, **cfg.server_options())
+    summary = cfg.summarize(runs)
+    if out is not None:
+        write(runs, summary, cfg, Path(out))
+    return runs, summary
+
+
+def write(runs: Runs, summary: pd.DataFrame, cfg: CompareConfig, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    runs.records.to_csv(out / "records.csv", index=False)
+    runs.lag.to_csv(out / "lag.csv", index=False)
+    if cfg.task == "generate":
+        runs.tokens.to_csv(out / "tokens.csv", index=False)
+        steps = runs.steps.assign(seqs=runs.steps["seqs"].map(_ids), idle=runs.steps["idle"].map(_ids))
+        steps.to_csv(out / "steps.csv", index=False)
+    summary.to_csv(out / "summary.csv", index=False)
+    doc = {"task": cfg.task, "config": asdict(cfg), "machine": machine_info(cfg.device),
+           "warnings": runs.warnings, "summary": json.loads(summary.to_json(orient="records"))}
+    (out / "summary.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / "machine.json").write_text(json.dumps(doc["machine"], indent=1))
+    draw(out)
+    return out
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return " ".join(str(i) for i in ids)
+
+
+def _parse_ids(text: Any) -> tuple[int, ...]:
+    return tuple(int(x) for x in str(text).split()) if isinstance(text, str) else ()
+
+
+def read(out: str | Path) -> tuple[Runs, dict[str, Any]]:
+    """A results folder back as ``Runs`` and its ``summary.json`` document."""
+    out = Path(out)
+    # empty cells are missing numbers, but empty strings in text columns (error, dispatch)
+    numeric = [c for c, dtype in RECORD_COLUMNS.items() if dtype != "str"] + ["rate"]
+    records = pd.read_csv(out / "records.csv", keep_default_na=False, na_values={c: [""] for c in numeric})
+    runs = Runs(records)
+    if (out / "lag.csv").exists():
+        runs.lag = pd.read_csv(out / "lag.csv")
+    if (out / "tokens.csv").exists():
+        runs.tokens = pd.read_csv(out / "tokens.csv")
+    if (out / "steps.csv").exists():
+        steps = pd.read_csv(out / "steps.csv", keep_default_na=False)
+        runs.steps = steps.assign(seqs=steps["seqs"].map(_parse_ids), idle=steps["idle"].map(_parse_ids))
+    doc = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    return runs, doc
+
+
+def draw(out: str | Path) -> list[Path]:
+    """(Re)draw every plot of a results folder from its saved files."""
+    from matplotlib.figure import Figure
+
+    out = Path(out)
+    runs, doc = read(out)
+    cfg = doc.get("config") or {}
+    generate = doc.get("task") == "generate" or len(runs.tokens) > 0
+    records = runs.records
+    top = float(records["rate"].max()) if len(records) else math.nan
+    at_top = records[records["rate"] == top]
+    if generate:
+        summary = runs.summary(ttft_slo_ms=cfg.get("ttft_slo_ms"), tpot_slo_ms=cfg.get("tpot_slo_ms"))
+        steps_top = runs.steps[runs.steps["rate"] == top] if len(runs.steps) else runs.steps
+        pictures: dict[str, Callable[[Any], Any]] = {
+            "ttft_cdf": lambda ax: plots.ttft_cdf(at_top, ax),
+            "tpot_cdf": lambda ax: plots.tpot_cdf(at_top, ax),
+            "token_throughput": lambda ax: plots.token_throughput_vs_rate(summary, ax),
+            "ttft_vs_rate": lambda ax: plots.ttft_vs_rate(summary, ax, slo_ms=cfg.get("ttft_slo_ms")),
+            "kv_tokens": lambda ax: plots.kv_tokens(steps_top, ax, capacity=cfg.get("max_kv_tokens")),
+        }
+        for label in pd.unique(records["label"]):
+            pictures[f"steps_{label}"] = (lambda lab: lambda ax: plots.step_gantt(steps_top, ax, label=lab))(label)
+        overview = plots.generation_overview(records, summary, runs.steps, runs.tokens, slo_ms=cfg.get("ttft_slo_ms"),
+                                             title=f"labserver compare --task generate — {out.name}")
+    else:
+        slo_ms = cfg.get("slo_ms")
+        summary = runs.summary(slo_ms)
+        lag = runs.lag
+        pictures = {
+            "latency_cdf": lambda ax: plots.latency_cdf(at_top, ax),
+            "latency_vs_throughput": lambda ax: plots.latency_vs_throughput(summary, ax, slo_ms=slo_ms),
+            "batch_sizes": lambda ax: plots.batch_size_hist(at_top, ax),
+            "batch_gantt": lambda ax: plots.batch_gantt(at_top, ax),
+            "loop_lag": lambda ax: plots.loop_lag(lag[lag["rate"] == top] if len(lag) else lag, ax),
+        }
+        overview = plots.overview(records, summary=summary, lag=lag if len(lag) else None, slo_ms=slo_ms,
+                                  title=f"labserver compare — {out.name}")
+    written = []
+    for name, draw_one in pictures.items():
+        fig = Figure(figsize=(7.5, 4.5), layout="constrained")
+        draw_one(fig.add_subplot())
+        fig.savefig(out / f"{name}.png", dpi=110)
+        written.append(out / f"{name}.png")
+    overview.savefig(out / "overview.png", dpi=90)
+    return [*written, out / "overview.png"]
+
+
+TABLE_COLUMNS = {
+    "encode": ("label", "rate", "throughput_rps", "p50_ms", "p99_ms", "goodput_rps", "mean_batch_size", "n_503",
+               "n_504", "n_500", "late_frac"),
+    "generate": ("label", "rate", "throughput_rps", "token_throughput_tps", "ttft_p50_ms", "ttft_p99_ms",
+                 "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "gen_goodput_rps", "idle_share", "n_503", "late_frac"),
+}
+
+
+def table(summary: pd.DataFrame, task: str = "encode") -> str:
+    """The summary's columns worth printing, as text."""
+    cols = [c for c in TABLE_COLUMNS[task] if c in summary]
+    view = summary[cols].rename(columns={"label": "strategy", "rate": "offered/s"})
+    return view.to_string(index=False, float_format=lambda x: f"{x:.4g}" if not math.isnan(x) else "-")

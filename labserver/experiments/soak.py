@@ -1,0 +1,427 @@
+"""Soak: offer about twice what a synthetic model can serve, with faults, and count.
+
+A run keeps a server over capacity for a while (Poisson arrivals at ``overload`` x
+the computed capacity, 1 % of inputs poisoned, 5 % of clients leaving early) and
+checks the promises a server under overload must keep:
+
+- every request gets exactly one outcome: the server counts one status per request
+  sent (499 for a client that left first), every client that stayed got exactly one
+  response, and it carried its own request id;
+- only poisoned inputs get a model error (500), and every poisoned one that was
+  computed gets it;
+- overload is refused at the door (503), fast: p99 under 10 % of ``timeout_ms``;
+- an accepted request is answered within ``timeout_ms`` by the server's clock, or 504;
+- nothing is computed after its deadline (the server's ``computed_after_deadline``)
+  or after its client left (the model's own log of when it saw each unique text);
+- memory, threads and event-loop tasks are the same after the run as before it.
+
+``soak(url, config)`` runs the load against any labserver URL over HTTP (loopback
+only). ``run(config)`` also starts the server, in a child process with a model that
+logs when it computed what: the server's memory and thread counts are then its own,
+the client does not compete with it for the GIL, and the leavers can be checked.
+``python -m labserver.soak --duration 60`` prints the table of a full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import multiprocessing
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..analysis.theory import capacity_rps
+from ..load.arrivals import Poisson
+from ..load.clients import RequestFailed, StreamClient, check_target
+from ..models import POISON, Model, parse_synthetic
+
+__all__ = ["Record", "RecordingModel", "SoakConfig", "SoakResult", "run", "soak", "table"]
+
+NOTICE_SLACK_MS = 50.0  # a server may take one batch plus this long to see a closed socket, ms
+
+
+@dataclass
+class Record:
+    i: int
+    text: str
+    poisoned: bool
+    leave_after_s: float | None  # a leaver closes its connection this long after sending
+    scheduled_s: float  # time.monotonic() it was due
+    sent_s: float = math.nan
+    done_s: float = math.nan
+    status: int | None = None  # None: no response (it left, or an error)
+    left_s: float = math.nan  # when a leaver closed its connection, time.monotonic()
+    server_ms: float = math.nan  # x-server-ms
+    rid_ok: bool = True  # the response carried this request's own x-request-id
+    error: str = ""
+
+
+@dataclass
+class SoakConfig:
+    strategy: str = "deadline"
+    base_ms: float = 20.0  # synthetic model: BASE ms per call ...
+    per_item_ms: float = 2.0  # ... plus PER ms per item
+    max_batch_size: int = 8
+    max_wait_ms: float = 2.0
+    timeout_ms: float = 1000.0  # per-request deadline, and the SLO the 503 speed is judged against
+    queue_timeouts: float = 0.5  # max_queue = this many timeout_ms of work at capacity (FIFO: keep it < 1)
+    overload: float = 2.0  # offered rate / capacity
+    duration_s: float = 60.0  # the measured phase
+    warmup_s: float = 2.0  # same load before the "start" snapshot (allocator, pools, threads settle)
+    poison_frac: float = 0.01
+    leave_frac: float = 0.05  # these clients close the connection after U(0, timeout/2)
+    seed: int = 0
+
+    @property
+    def model(self) -> str:
+        return f"synthetic:{self.base_ms:g}+{self.per_item_ms:g}"
+
+    @property
+    def batch_cap(self) -> int:
+        return 1 if self.strategy == "naive" else self.max_batch_size  # naive runs one item per call
+
+    @property
+    def batch_ms(self) -> float:
+        """One full batch of the synthetic model, ms."""
+        return self.base_ms + self.batch_cap * self.per_item_ms
+
+    @property
+    def capacity_rps(self) -> float:
+        """Full batches back to back: what the model alone can do (HTTP costs come on top)."""
+        return capacity_rps(self.batch_ms, self.batch_cap)
+
+    @property
+    def offered_rps(self) -> float:
+        return self.overload * self.capacity_rps
+
+    @property
+    def max_queue(self) -> int:
+        return max(self.batch_cap, math.ceil(self.capacity_rps * self.timeout_ms / 1000 * self.queue_timeouts))
+
+    def server_options(self) -> dict[str, Any]:
+        return {"max_batch_size": self.max_batch_size, "max_wait_ms": self.max_wait_ms,
+                "max_queue": self.max_queue, "timeout_ms": self.timeout_ms}
+
+
+@dataclass
+class SoakResult:
+    config: SoakConfig
+    records: list[Record] = field(repr=False)
+    stats_start: dict[str, Any] = field(repr=False)  # /stats after warmup, idle
+    stats_end: dict[str, Any] = field(repr=False)  # /stats after the run, idle
+    computed_s: Mapping[str, float] | None = field(default=None, repr=False)  # text -> first compute start
+
+    def _by(self, pred: Any) -> list[Record]:
+        return [r for r in self.records if pred(r)]
+
+    def _server(self, key: str) -> int:
+        return int(self.stats_end.get(key, 0)) - int(self.stats_start.get(key, 0))
+
+    def _server_status(self, code: int) -> int:
+        return (int(self.stats_end["statuses"].get(str(code), 0))
+                - int(self.stats_start["statuses"].get(str(code), 0)))
+
+    def counts(self) -> dict[str, Any]:
+        cfg = self.config
+        answered = self._by(lambda r: r.status is not None)
+        left = self._by(lambda r: r.status is None and not math.isnan(r.left_s))
+        stayed = self._by(lambda r: math.isnan(r.left_s))
+
+        def status(code: int) -> list[Record]:
+            return [r for r in answered if r.status == code]
+
+        def lat_ms(rs: list[Record]) -> list[float]:  # from the scheduled send: no coordinated omission
+            return sorted((r.done_s - r.scheduled_s) * 1000 for r in rs)
+
+        ok, rejected = status(200), status(503)
+        poisoned = self._by(lambda r: r.poisoned)
+        server_total = sum(int(v) for v in self.stats_end["statuses"].values()) - sum(
+            int(v) for v in self.stats_start["statuses"].values())
+        leave_limit_s = (cfg.batch_ms + NOTICE_SLACK_MS) / 1000
+        after_left = None
+        if self.computed_s is not None:
+            after_left = sum(1 for r in left if self.computed_s.get(r.text, -math.inf) > r.left_s + leave_limit_s)
+        start, end = self.stats_start["process"], self.stats_end["process"]
+        span_s = max(r.done_s for r in answered) - min(r.scheduled_s for r in self.records) if answered else 1.0
+        return {
+            "strategy": cfg.strategy,
+            "model": cfg.model,
+            "max_batch_size / max_queue": f"{cfg.batch_cap} / {cfg.max_queue}",
+            "timeout_ms": cfg.timeout_ms,
+            "capacity_rps (computed)": round(cfg.capacity_rps, 1),
+            "offered_rps": round(cfg.offered_rps, 1),
+            "requests sent": len(self.records),
+            "server outcomes (must = sent)": server_total,
+            "200 ok": len(ok),
+            "goodput_rps": round(len(ok) / span_s, 1),
+            "ok latency p50 / p99 ms": _pair(lat_ms(ok)),
+            "503 overloaded": len(rejected),
+            "503 latency p50 / p99 ms": _pair(lat_ms(rejected)),
+            "504 timeout": len(status(504)),
+            "500 model error": len(status(500)),
+            "poisoned sent": len(poisoned),
+            "500 not poisoned (must be 0)": sum(1 for r in status(500) if not r.poisoned),
+            "poisoned answered 200 (must be 0)": sum(1 for r in ok if r.poisoned),
+            "other statuses (must be 0)": sum(1 for r in answered if r.status not in (200, 500, 503, 504)),
+            "200 over timeout_ms, server clock (must be 0)": sum(
+                1 for r in ok if not r.server_ms <= cfg.timeout_ms + 1),
+            "slowest answer ms (client)": round(max((r.done_s - r.sent_s for r in answered), default=0) * 1000, 1),
+            "stayed without exactly one response (must be 0)": sum(
+                1 for r in stayed if r.status is None or not r.rid_ok),
+            "clients that left": len(left),
+            "server 499 (left while waiting)": self._server_status(499),
+            "dropped unrun: client left or timed out (server)": self._server("skipped_client_gone"),
+            "computed after client left (must be 0)": "n/a" if after_left is None else after_left,
+            "expired in queue (server)": self._server("expired_in_queue"),
+            "computed after deadline (server, must be 0)": self._server("computed_after_deadline"),
+            "rss_mb start / end": f"{start['rss_mb']:.1f} / {end['rss_mb']:.1f}",
+            "threads start / end": f"{start['threads']} / {end['threads']}",
+            "tasks start / end": f"{start['tasks']} / {end['tasks']}",
+            "client send lag p99 ms": round(_pct(sorted((r.sent_s - r.scheduled_s) * 1000
+                                                        for r in self.records), 0.99), 1),
+        }
+
+    def problems(self, rss_growth_mb: float = 10.0) -> list[str]:
+        """Every promise this run broke, in words; empty when all held."""
+        c, cfg = self.counts(), self.config
+        out = [f"{k} = {v}" for k, v in c.items() if "must be 0" in k and v not in (0, "n/a")]
+        errors = Counter(r.error.split(":")[0] for r in self.records if r.error)
+        if errors:
+            out.append(f"client errors: {dict(errors)}; first: {next(r.error for r in self.records if r.error)}")
+        if c["server outcomes (must = sent)"] != c["requests sent"]:
+            out.append(f"server counted {c['server outcomes (must = sent)']} outcomes for "
+                       f"{c['requests sent']} requests")
+        p99_503 = _pct(sorted((r.done_s - r.scheduled_s) * 1000 for r in self.records if r.status == 503), 0.99)
+        if not c["503 overloaded"]:
+            out.append(f"no 503 at {cfg.overload:g}x capacity: is max_queue enforced?")
+        elif not p99_503 < cfg.timeout_ms / 10:
+            out.append(f"503 p99 {p99_503:.1f} ms is not under 10 % of timeout_ms ({cfg.timeout_ms:g})")
+        if c["slowest answer ms (client)"] > 3 * cfg.timeout_ms:
+            out.append(f"an answer took {c['slowest answer ms (client)']} ms, over 3 x timeout_ms")
+        if not c["clients that left"]:
+            out.append("no client left while waiting: the disconnect path went untested")
+        start, end = self.stats_start["process"], self.stats_end["process"]
+        if end["rss_mb"] - start["rss_mb"] > rss_growth_mb:
+            out.append(f"rss grew {end['rss_mb'] - start['rss_mb']:.1f} MB (> {rss_growth_mb:g})")
+        for key in ("threads", "tasks"):
+            if end[key] != start[key]:
+                out.append(f"{key} went from {start[key]} to {end[key]}")
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.counts(), "config": asdict(self.config), "problems": self.problems()}
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    return values[min(len(values) - 1, int(len(values) * q))] if values else math.nan
+
+
+def _pair(values: Sequence[float]) -> str:
+    return f"{_pct(values, 0.5):.1f} / {_pct(values, 0.99):.1f}" if values else "-"
+
+
+def table(results: Sequence[SoakResult]) -> str:
+    """A markdown table: one row per figure, one column per run."""
+    rows = [r.counts() for r in results]
+    keys = list(rows[0])
+    lines = ["| | " + " | ".join(str(r["strategy"]) for r in rows) + " |",
+             "|---|" + "---:|" * len(rows)]
+    lines += [f"| {k} | " + " | ".join(str(r[k]) for r in rows) + " |" for k in keys if k != "strategy"]
+    return "\n".join(lines)
+
+
+# -- the load ----------------------------------------------------------------------------
+
+async def soak(url: str, config: SoakConfig) -> SoakResult:
+    """Run warmup and the measured phase against ``url`` (a labserver; loopback only)."""
+    _, host, port = check_target(url)
+    base = f"http://{host}:{port}"
+    rng = random.Random(config.seed)
+    tag = f"{config.strategy}-{config.seed}-{time.monotonic_ns():x}"  # texts unique across runs too
+    patience_s = 3 * config.timeout_ms / 1000 + 30  # a server that keeps its promise answers far sooner
+    client = StreamClient(base + "/", content_type="text/plain; charset=utf-8", timeout_s=patience_s)
+    stats = StreamClient(base + "/stats", method="GET", timeout_s=30)
+    try:
+        warm = await _phase(client, config, config.warmup_s, rng, tag, 0)
+        stats_start = await _idle_stats(client, stats)
+        records = await _phase(client, config, config.duration_s, rng, tag, len(warm))
+        stats_end = await _idle_stats(client, stats)
+    finally:
+        await client.aclose()
+        await stats.aclose()
+    return SoakResult(config, records, stats_start, stats_end)
+
+
+async def _phase(client: StreamClient, cfg: SoakConfig, duration_s: float, rng: random.Random,
+                 tag: str, first: int) -> list[Record]:
+    times = Poisson(cfg.offered_rps).times(duration_s=duration_s, seed=rng.randrange(2**31))
+    t0 = time.monotonic() + 0.05
+    records = []
+    for k, t in enumerate(times):
+        i = first + k
+        poisoned = rng.random() < cfg.poison_frac
+        leave = rng.uniform(0, cfg.timeout_ms / 2000) if rng.random() < cfg.leave_frac else None
+        text = f"soak {tag} #{i}" + (f" {POISON}" if poisoned else "")
+        records.append(Record(i, text, poisoned, leave, t0 + float(t)))
+    tasks = []
+    for r in records:
+        delay = r.scheduled_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(_one(client, r)))
+    await asyncio.gather(*tasks)
+    return records
+
+
+async def _one(client: StreamClient, r: Record) -> None:
+    loop = asyncio.get_running_loop()
+    rid = f"soak-{r.i}"
+
+    def leave() -> None:  # this client gives up: close the socket while the server still works on it
+        if not call.done():
+            r.left_s = time.monotonic()
+            call.cancel()
+
+    def written() -> None:  # a leaver's patience starts once its request is out: the server has it
+        nonlocal timer
+        if r.leave_after_s is not None and timer is None:
+            timer = loop.call_later(r.leave_after_s, leave)
+
+    timer: asyncio.TimerHandle | None = None
+    r.sent_s = time.monotonic()
+    call = asyncio.ensure_future(client.request(r.text.encode(), {"x-request-id": rid}, written))
+    try:
+        answer = await call
+    except asyncio.CancelledError:
+        if math.isnan(r.left_s):
+            raise
+        return
+    except RequestFailed as e:
+        r.error = str(e)
+        return
+    finally:
+        if timer is not None:
+            timer.cancel()
+    r.done_s = time.monotonic()
+    r.status = answer.status
+    r.rid_ok = answer.headers.get("x-request-id") == rid
+    r.server_ms = float(answer.headers.get("x-server-ms", "nan"))
+
+
+async def _idle_stats(client: StreamClient, stats: StreamClient, timeout_s: float = 30.0) -> dict[str, Any]:
+    """/stats once nothing is queued or computing (a bounded poll: there is no idle event)."""
+    client.drop_idle()  # no kept-alive sockets from the load: they are not part of the server's state
+    end_s = time.monotonic() + timeout_s
+    while True:
+        answer = await stats.request()
+        doc = json.loads(answer.body)
+        if answer.status == 200 and not doc.get("queue_depth") and not doc.get("computing"):
+            stats.drop_idle()
+            return doc
+        if time.monotonic() > end_s:
+            raise TimeoutError(f"server not idle after {timeout_s} s: {doc}")
+        await asyncio.sleep(0.05)
+
+
+# -- a server to soak, in its own process -------------------------------------------------
+
+class RecordingModel:
+    """Wraps a model and notes when each text first reached it (``time.monotonic()``, s).
+
+    CLOCK_MONOTONIC is one clock for every process on the machine, so the parent can
+    compare these times with when its clients left.
+    """
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.name = model.name
+        self.max_chars = model.max_chars
+        self.started: dict[str, float] = {}
+
+    def __call__(self, texts: list[str]) -> list[Any]:
+        now = time.monotonic()
+        for t in texts:
+            self.started.setdefault(t, now)
+        return self.model(texts)
+
+    def check(self, text: str) -> None:
+        self.model.check(text)
+
+
+def _serve_child(conn: Any, strategy: str, spec: str, options: dict[str, Any]) -> None:
+    import labserver
+
+    logging.getLogger("labserver").setLevel(logging.ERROR)  # 1 % poison would log a warning each
+    model = RecordingModel(parse_synthetic(spec))
+    with labserver.serve(strategy, model, **options) as handle:
+        conn.send(handle.url)
+        conn.recv()  # the parent says stop
+    conn.send(model.started)
+    conn.close()
+
+
+def run(config: SoakConfig, start_timeout_s: float = 60.0) -> SoakResult:
+    """Start a server for ``config`` in a child process, soak it, stop it, check the leavers."""
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or state inherited
+    ours, theirs = ctx.Pipe()
+    child = ctx.Process(target=_serve_child, name=f"labserver-soak-{config.strategy}",
+                        args=(theirs, config.strategy, config.model, config.server_options()))
+    child.start()
+    theirs.close()
+    try:
+        if not ours.poll(start_timeout_s):
+            raise RuntimeError(f"soak server did not start within {start_timeout_s} s")
+        try:
+            url = ours.recv()
+        except EOFError:
+            raise RuntimeError("the soak server process ended before it started; from a script, call "
+                               "run() under `if __name__ == '__main__':` (it spawns a process)") from None
+        result = asyncio.run(soak(url, config))
+        ours.send("stop")
+        if not ours.poll(start_timeout_s):
+            raise RuntimeError("soak server did not stop")
+        result.computed_s = ours.recv()
+    finally:
+        ours.close()
+        child.join(start_timeout_s)
+        if child.is_alive():
+            child.kill()
+            child.join()
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m labserver.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=60.0, help="measured seconds per strategy")
+    p.add_argument("--strategies", default="naive,per-fetch,deadline,thread,adaptive")
+    p.add_argument("--model-ms", default="20+2", help="synthetic cost BASE+PER_ITEM in ms (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--timeout-ms", type=float, default=1000.0)
+    p.add_argument("--overload", type=float, default=2.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    base, per = (float(x) for x in args.model_ms.split("+"))
+    results = []
+    for name in args.strategies.split(","):
+        cfg = SoakConfig(strategy=name, base_ms=base, per_item_ms=per, max_batch_size=args.max_batch,
+                         timeout_ms=args.timeout_ms, overload=args.overload, duration_s=args.duration,
+                         seed=args.seed)
+        print(f"soaking {name} for {args.duration:g} s ...", file=sys.stderr, flush=True)
+        results.append(run(cfg))
+    print(table(results))
+    bad = [(r.config.strategy, p) for r in results for p in r.problems()]
+    for name, problem in bad:
+        print(f"{name}: {problem}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Pictures of batches: how big they were, when they ran, and all the pictures on one page.
+
+Drawn over the load generator's records (the server's batch headers) or an
+``analysis.batches`` frame; the manners of ``labserver.plots.common``.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pandas as pd
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.cm import ScalarMappable
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from .. import analysis
+from .common import Records, get_ax, busiest_runs, empty, frame_of, label_colors, label_groups, legend, one_run
+from .requests import latency_cdf, latency_vs_throughput, loop_lag, request_timeline
+
+__all__ = ["batch_gantt", "batch_size_hist", "overview"]
+
+
+def batch_size_hist(
+    records: Records,
+    ax: Axes | None = None,
+    *,
+    by: str | None = "label",
+    weight: str = "batches",
+    stacked: bool = False,
+) -> Axes:
+    """How many batches (``weight="batches"``) or requests (``"requests"``) had each size.
+
+    One bar per label and size, side by side (or ``stacked``), one bin per
+    integer size from 1 to the largest seen; each batch counts once.
+    """
+    if weight not in ("batches", "requests"):
+        raise ValueError(f'weight must be "batches" or "requests", got {weight!r}')
+    ax = get_ax(ax)
+    groups = label_groups(frame_of(records), by)
+    colors = label_colors([label for label, _ in groups])
+    counts = [(label, analysis.batch_size_counts(rows)) for label, rows in groups]
+    counts = [(label, c * c.index if weight == "requests" else c) for label, c in counts if len(c)]
+    if not counts:
+        return empty(ax, "no batch sizes in these records")
+    sizes = np.arange(1, max(int(c.index.max()) for _, c in counts) + 1)
+    width = 0.8 if stacked else 0.8 / len(counts)
+    bottom = np.zeros(sizes.size)
+    for n, (label, c) in enumerate(counts):
+        heights = c.reindex(sizes, fill_value=0).to_numpy(dtype=float)
+        offset = 0.0 if stacked else (n - (len(counts) - 1) / 2) * width
+        name = "_nolegend_" if label is None else str(label)
+        ax.bar(sizes + offset, heights, width, bottom=bottom if stacked else None, color=colors[label], label=name)
+        if stacked:
+            bottom += heights
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("batch size (requests per model call)")
+    ax.set_ylabel(weight)
+    ax.set_title("Batch sizes")
+    legend(ax, fontsize="small")
+    return ax
+
+
+def batch_gantt(
+    data: Records,
+    ax: Axes | None = None,
+    *,
+    cmap: str = "viridis",
+    colorbar: bool = True,
+) -> Axes:
+    """Every batch as a bar over its compute time, one lane per run; height and colour by size.
+
+    ``data`` is records or an ``analysis.batches`` frame. Gaps in a lane are an
+    idle model; short, pale bars are a model working on small batches.
+    """
+    ax = get_ax(ax)
+    frame = frame_of(data)
+    table = frame if {"start_s", "size"} <= set(frame.columns) else analysis.batches(frame)
+    table = table[table["start_s"].notna() & table["end_s"].notna() & table["size"].notna()]
+    if table.empty:
+        return empty(ax, "no batch timings in these records")
+    keys = [key for key in analysis.RUN_KEYS if key in table.columns and table[key].notna().any()]
+    runs = list(table.groupby(keys, sort=False, dropna=False)) if keys else [((), table)]
+    if keys:  # lanes by label as given, then rate ascending (the table itself is in time order)
+        rank = {label: n for n, label in enumerate(pd.unique(frame["label"]))} if "label" in keys else {}
+        runs.sort(key=lambda run: tuple(
+            rank[k] if key == "label" else (np.inf if pd.isna(k) else k) for key, k in zip(keys, run[0])))
+    largest = max(int(table["size"].max()), 2)  # a 1..1 colour scale is degenerate
+    norm, colours = Normalize(vmin=1, vmax=largest), colormaps[cmap]
+    names = []
+    for lane, (key, rows) in enumerate(runs):
+        bottom = len(runs) - 1 - lane - 0.4  # first run on top
+        size = rows["size"].to_numpy(dtype=float)
+        ax.barh(bottom, (rows["end_s"] - rows["start_s"]).to_numpy(dtype=float), left=rows["start_s"].to_numpy(),
+                height=0.8 * size / largest, align="edge", color=colours(norm(size)), edgecolor="none")
+        key = key if isinstance(key, tuple) else (key,)
+        names.append(" @ ".join(f"{k:g}/s" if isinstance(k, float) else str(k) for k in key if pd.notna(k)) or "run")
+    ax.set_yticks(np.arange(len(runs))[::-1], names)
+    ax.set_ylim(-0.6, len(runs) - 0.4)
+    ax.set_xlabel("time since run start (s)")
+    ax.set_title("Batches over time (height, colour: size)")
+    if colorbar:
+        ax.figure.colorbar(ScalarMappable(norm=norm, cmap=colours), ax=ax, label="batch size")
+    return ax
+
+
+def overview(
+    records_by_label: Records,
+    *,
+    summary: pd.DataFrame | None = None,
+    lag: Records | None = None,
+    probes: pd.DataFrame | None = None,
+    slo_ms: float | None = None,
+    rate: float | None = None,
+    n_requests: int = 40,
+    title: str | None = None,
+    figsize: tuple[float, float] = (15.0, 9.0),
+) -> Figure:
+    """One figure of the pictures above, for saving: CDF, latency vs throughput and
+    batch sizes over every run; the request timeline (first label) and batch
+    Gantt (every label) of the runs offered ``rate``, by default each label's
+    highest rate, where queues are longest; the event-loop lag when given.
+
+    The Figure is not registered with pyplot (nothing to close, nothing shown
+    twice): save it with ``fig.savefig``, or leave it as a notebook cell's value.
+    """
+    frame = frame_of(records_by_label)
+    fig = Figure(figsize=figsize, layout="constrained")
+    grid = fig.add_gridspec(2, 3)
+    latency_cdf(frame, fig.add_subplot(grid[0, 0]))
+    table = summary if summary is not None else analysis.summarize_runs(frame, slo_ms=slo_ms)
+    latency_vs_throughput(table, fig.add_subplot(grid[0, 1]), slo_ms=slo_ms)
+    batch_size_hist(frame, fig.add_subplot(grid[0, 2]))
+    busiest = busiest_runs(frame, rate)
+    first = one_run(busiest, None, None)
+    ax = request_timeline(first, fig.add_subplot(grid[1, 0]), n=n_requests)
+    if "label" in first.columns and len(first):
+        at = f" @ {first['rate'].iloc[0]:g}/s" if "rate" in first.columns and first["rate"].notna().any() else ""
+        ax.set_title(f"Where each request's time went: {first['label'].iloc[0]}{at}")
+    batch_gantt(busiest, fig.add_subplot(grid[1, 1] if lag is not None else grid[1, 1:]))
+    if lag is not None:
+        loop_lag(lag, fig.add_subplot(grid[1, 2]), probes=probes)
+    if title:
+        fig.suptitle(title)
+    return fig

@@ -1,0 +1,180 @@
+"""``POST /generate``: a prompt in, tokens out, as one JSON answer or a stream of server-sent events.
+
+The request is JSON: ``{"prompt": "...", "max_new_tokens": 64, "stream": false,
+"ignore_eos": false}`` (only the prompt is required; ``wire`` describes the answer).
+The handler checks it, queues one sequence on the generation engine and waits for
+its first token, the client leaving, or the deadline, whichever comes first. Until
+the first token nothing has been sent, so every failure up to then is an ordinary
+JSON error with its status (400, 413, 500, 503, 504): with ``stream`` the 200 and its
+headers go out *with* the first token. After it, a stream carries one event per
+token and a final ``done`` (or ``error``) event.
+
+A client that leaves is noticed by Starlette (while streaming) or by ``ClientWatch``
+(while waiting): the sequence's future is cancelled, and the engine drops it at
+the next step boundary, so it is never decoded further.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from .. import wire
+from ..engine import Seq, StepEngine
+from ..models import GenModel
+from .handling import (ClientError, ClientWatch, FastJSON, answer, check_text, deadline_end_s, describe, error_body,
+                       log_failure, parse_json)
+from .runtime import Runtime
+
+__all__ = ["GenParams", "parse_generate", "post_generate", "result_body", "timing", "wait_all", "wait_first_token"]
+
+DEFAULT_MAX_NEW_TOKENS = 64
+_FIELDS = {"prompt": str, "max_new_tokens": int, "stream": bool, "ignore_eos": bool}
+
+
+@dataclass
+class GenParams:
+    prompt: str
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    stream: bool = False
+    ignore_eos: bool = False
+
+
+def parse_generate(body: bytes, max_new_tokens_cap: int, max_chars: int) -> GenParams:
+    """The fields of a /generate body, each checked, with a message that says what to send."""
+    example = '{"prompt": "Once upon a time", "max_new_tokens": 32}'
+    doc = parse_json(body, example)
+    if not isinstance(doc, dict) or "prompt" not in doc:
+        raise ClientError("bad_request", f'expected a JSON object with a "prompt", e.g. {example}')
+    unknown = sorted(set(doc) - set(_FIELDS))
+    if unknown:
+        raise ClientError("bad_request", f"unknown field(s) {unknown}; known: {', '.join(_FIELDS)}")
+    for name, kind in _FIELDS.items():
+        value = doc.get(name)
+        # bool is an int in Python: max_new_tokens=true is a type error, not 1 token
+        if name in doc and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            raise ClientError("bad_request", f'"{name}" is {type(value).__name__}, expected {kind.__name__}')
+    params = GenParams(**{"max_new_tokens": min(DEFAULT_MAX_NEW_TOKENS, max_new_tokens_cap), **doc})
+    check_text('"prompt"', params.prompt, max_chars)
+    if not 1 <= params.max_new_tokens <= max_new_tokens_cap:
+        raise ClientError("bad_request", f'"max_new_tokens" must be between 1 and {max_new_tokens_cap} '
+                                         f"(the server's cap), got {params.max_new_tokens}")
+    return params
+
+
+async def wait_first_token(rt: Runtime, request: Request, seq: Seq, t0: float) -> None:
+    """Until the sequence has a token or an outcome; the deadline (timeout_ms) and the client may end it first."""
+    why = f"no first token within timeout_ms={rt.config.limits.timeout_ms}"
+    try:
+        async with ClientWatch(request) as watch:
+            while not seq.tokens:
+                if seq.future.done():
+                    seq.future.result()  # raises what ended it (504 in queue, 500, 503)
+                    return
+                await watch.first({seq.next_change(), seq.future}, deadline_end_s(rt, t0), why)
+    except BaseException:
+        seq.future.cancel()  # queued: never prefilled; running: dropped at the next step
+        raise
+
+
+async def wait_all(request: Request, seq: Seq) -> None:
+    """Until the sequence is answered (finished, or failed mid-way); a client that leaves ends it."""
+    try:
+        async with ClientWatch(request) as watch:
+            while not seq.future.done():
+                await watch.first({seq.future})
+        seq.future.result()
+    except BaseException:
+        seq.future.cancel()
+        raise
+
+
+def result_body(model: GenModel, seq: Seq, t0: float, now: float) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "text": model.text(seq.tokens),
+        "tokens": seq.tokens,
+        "finish_reason": seq.finish_reason,
+        "prompt_tokens": len(seq.prompt_ids),
+        "generated_tokens": len(seq.tokens),
+        "timing": timing(seq, t0, now),
+    }
+    if model.note:
+        body["note"] = model.note
+    return body
+
+
+def timing(seq: Seq, t0: float, now: float) -> dict[str, Any]:
+    """The server's view (its clock), in ms from the request's arrival (``t0``)."""
+    def ms(t_s: float) -> float | None:
+        return None if math.isnan(t_s) else round((t_s - t0) * 1000, 3)
+
+    return {"queue_ms": ms(seq.admitted_s), "ttft_ms": ms(seq.first_token_s), "server_ms": ms(now),
+            "steps": seq.steps, "mean_step_batch": round(seq.step_batch_sum / seq.steps, 2) if seq.steps else None}
+
+
+def _event(kind: bytes, data: Any) -> bytes:
+    return kind + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+async def stream_events(rt: Runtime, seq: Seq, rid: str, t0: float) -> AsyncIterator[bytes]:
+    """Token events as the engine makes them (all that are ready in one chunk), then done or error."""
+    model: GenModel = rt.model  # type: ignore[assignment]
+    sent, answered = 0, False
+    try:
+        while True:
+            if len(seq.tokens) > sent:
+                ready = seq.tokens[sent:]
+                yield b"".join(_event(wire.SSE_TOKEN, {"index": sent + k, "id": t, "text": model.token_text(t)})
+                               for k, t in enumerate(ready))
+                sent += len(ready)
+            elif seq.future.done():
+                break
+            else:
+                await asyncio.wait({seq.next_change(), seq.future}, return_when=asyncio.FIRST_COMPLETED)
+        error = None if seq.future.cancelled() else seq.future.exception()
+        answered = True
+        if error is None:
+            rt.answered(time.perf_counter() - t0)
+            yield _event(wire.SSE_DONE, result_body(model, seq, t0, time.perf_counter()))
+        else:
+            log_failure(rid, error)
+            kind, message, _ = describe(error)
+            rt.statuses[wire.ERROR_TYPES[kind]] += 1  # counted by what it would have been, though the status was 200
+            yield _event(wire.SSE_ERROR, error_body(kind, message, rid, error, rt.config.debug))
+    finally:
+        seq.future.cancel()  # a no-op once answered; a client that left mid-stream frees its slot
+        if not answered:
+            rt.statuses[499] += 1  # it began as a 200, but its client left: one outcome, counted once
+
+
+async def _generate(rt: Runtime, request: Request, body: bytes, rid: str, t0: float) -> Response:
+    engine = rt.engine
+    if not isinstance(engine, StepEngine):
+        raise ClientError("bad_request", f"this server runs the encoder strategy {rt.strategy.name}; "
+                                         f"{wire.GENERATE_PATH} needs a gen-* strategy and a generative model "
+                                         "(labserver serve --strategy gen-continuous --model gpt2-random)")
+    params = parse_generate(body, rt.config.max_new_tokens, rt.config.max_chars)
+    prompt_ids = rt.model.encode(params.prompt)  # type: ignore[union-attr]  # InputRejected: 400
+    seq = engine.submit(prompt_ids, params.max_new_tokens, ignore_eos=params.ignore_eos, request_id=rid)
+    await wait_first_token(rt, request, seq, t0)
+    headers = {wire.HEADER_REQUEST_ID: rid, wire.HEADER_QUEUE_MS: f"{(seq.admitted_s - seq.enqueued_s) * 1000:.3f}"}
+    if params.stream:
+        return StreamingResponse(stream_events(rt, seq, rid, t0), media_type="text/event-stream",
+                                 headers={**headers, "cache-control": "no-cache"})
+    await wait_all(request, seq)
+    now = time.perf_counter()
+    rt.answered(now - t0)
+    return FastJSON(result_body(rt.model, seq, t0, now),  # type: ignore[arg-type]
+                    headers={**headers, wire.HEADER_SERVER_MS: f"{(now - t0) * 1000:.3f}"})
+
+
+async def post_generate(request: Request) -> Response:
+    return await answer(request, _generate)

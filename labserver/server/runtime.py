@@ -1,0 +1,119 @@
+"""What one running app holds: the model, the engine, the response counts.
+
+``Runtime`` loads the model in the background at startup (``/health`` says 503 until
+it is ready, or for good if loading failed), starts the engine the strategy's kind
+calls for (``labserver.engine.make_engine``), drains it at shutdown, and keeps the
+response counts that ``/stats`` and ``/metrics`` report. The routes that use it are
+in ``labserver.server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from ..config import ServerConfig
+from ..engine import EngineBase, make_engine
+from ..models import GenModel, Model, ModelLoadError, load_model
+from ..strategies import make_strategy, strategy_names
+from .looplag import LagMonitor
+
+logger = logging.getLogger(__name__)
+
+
+class Runtime:
+    """Everything one running app holds: the model, the engine, the counters."""
+
+    def __init__(self, config: ServerConfig, model: Model | GenModel | None = None) -> None:
+        self.config = config
+        self.strategy = make_strategy(config.strategy, config.limits)  # validate names eagerly
+        self.model: Model | GenModel | None = model
+        self.engine: EngineBase | None = None
+        self.state = "loading"  # loading -> ready | failed; stopping at shutdown
+        self.load_error: str | None = None
+        self.statuses: Counter[int] = Counter()
+        self.started_s = time.time()
+        self.lag = LagMonitor(config.lag_interval_ms)
+        self._ids = itertools.count(1)
+        self._prefix = f"{os.getpid():x}-"
+        self._load_task: asyncio.Task[None] | None = None
+        self.latency_observer: Callable[[float], None] | None = None  # set by labserver.server.metrics
+        self.registry: Any = None  # the app's Prometheus registry, set with it
+
+    def request_id(self) -> str:
+        return f"{self._prefix}{next(self._ids)}"
+
+    async def start(self) -> None:
+        self.lag.start()
+        self._load_task = asyncio.get_running_loop().create_task(self._load())
+
+    async def _load(self) -> None:
+        cfg = self.config
+        generate = self.strategy.kind == "generate"
+        try:
+            if self.model is None:
+                self.model = await asyncio.to_thread(load_model, cfg.model, device=cfg.device, dtype=cfg.dtype,
+                                                     task=cfg.task, kind=self.strategy.kind)
+            if generate != isinstance(self.model, GenModel):
+                raise ModelLoadError(_mismatch(self.strategy.name, cfg.model, generate))
+        except ModelLoadError as e:
+            self.state, self.load_error = "failed", str(e)
+            logger.error("model %r failed to load: %s", cfg.model, e, exc_info=e.__cause__)
+            return
+        except Exception as e:  # anything else while loading is a load failure too, not a crash
+            self.state, self.load_error = "failed", f"{type(e).__name__}: {e}"
+            logger.exception("model %r failed to load", cfg.model)
+            return
+        if cfg.freeze_gc:
+            # Python's full (generation 2) garbage collection walks every container object
+            # alive: with torch and transformers imported that is hundreds of thousands, a
+            # pause of 50-200 ms on 2 cores, the loop and the model thread both stopped (the
+            # GIL). Freezing moves everything that exists now, the model included, out of the
+            # collector's sight, so later collections walk only what serving allocates.
+            gc.freeze()
+        self.engine = make_engine(self.strategy, self.model)
+        self.engine.start()
+        self.state = "ready"
+        logger.info("serving %s with strategy %s", getattr(self.model, "name", cfg.model), self.strategy.name)
+
+    async def wait_loaded(self) -> None:
+        if self._load_task is not None:
+            await asyncio.shield(self._load_task)
+
+    async def drain(self) -> None:
+        """Finish queued work (up to drain_grace_s), answer the rest 503; new requests get 503."""
+        if self.state == "ready":
+            self.state = "stopping"
+        if self.engine is not None:
+            await self.engine.drain(self.config.drain_grace_s)
+
+    async def stop(self) -> None:
+        await self.drain()
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+        if self.engine is not None:
+            await self.engine.stop()
+        self.lag.stop()
+
+    def healthy(self) -> bool:
+        return self.state == "ready" and self.engine is not None and self.engine.healthy
+
+    def answered(self, server_s: float) -> None:
+        """Count one successful answer (its server time, s, goes to /metrics)."""
+        self.statuses[200] += 1
+        if self.latency_observer is not None:
+            self.latency_observer(server_s)
+
+
+def _mismatch(strategy: str, model: str, generate: bool) -> str:
+    if generate:
+        return f"strategy {strategy} generates text and needs a generative model; {model!r} is not one"
+    return (f"strategy {strategy} serves encoders (one call per batch); {model!r} is a generative model: "
+            f"use a gen-* strategy ({', '.join(strategy_names('generate'))})")

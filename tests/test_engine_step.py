@@ -1,0 +1,204 @@
+"""The generation engine without HTTP, on a real event loop: isolation, leaving, deadlines, overload, drain, death."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from labserver.engine import Expired, Overloaded, ShuttingDown, WorkerDied
+from labserver.strategies import Limits
+from labserver.engine import Seq, StepEngine
+from labserver.models import SyntheticGen, parse_synthetic_gen
+from labserver.models import POISON, InputRejected, ModelError
+from labserver.strategies import make_strategy
+
+from .fakes import Crash, SteppedGen
+
+
+def engine(name: str, model: Any, **limits: Any) -> StepEngine:
+    return StepEngine(make_strategy(name, Limits(**limits)), model)  # type: ignore[arg-type]
+
+
+def submit(e: StepEngine, prompt: str, n: int, **kw: Any) -> Seq:
+    return e.submit(e.model.encode(prompt), n, **kw)
+
+
+async def outcomes(seqs: list[Seq]) -> list[Any]:
+    return await asyncio.gather(*(s.future for s in seqs), return_exceptions=True)
+
+
+def decodes(model: Any) -> list[tuple[int, ...]]:
+    return [ids for kind, ids in model.calls if kind == "decode"]
+
+
+@pytest.mark.parametrize("name", ["gen-naive", "gen-static", "gen-continuous"])
+def test_poisoned_prompt_fails_alone_and_nothing_stays_cached(name: str) -> None:
+    model = SyntheticGen(0, 0)
+
+    async def main() -> list[Any]:
+        e = engine(name, model, max_batch_size=8, max_wait_ms=5)
+        e.start()
+        seqs = [submit(e, f"prompt {i}", 3 + i) for i in range(6)]
+        seqs[2] = submit(e, f"bad {POISON} prompt", 4)
+        out = await outcomes(seqs)
+        await e.stop()
+        return out
+
+    out = asyncio.run(main())
+    assert isinstance(out[2], ModelError)
+    assert [len(s.tokens) for i, s in enumerate(out) if i != 2] == [3, 4, 6, 7, 8]
+    assert model.cached == 0
+
+
+def test_a_sequence_whose_client_left_is_not_decoded_again() -> None:
+    model = SteppedGen()
+
+    async def main() -> tuple[Seq, Seq, int]:
+        e = engine("gen-continuous", model, max_batch_size=8)
+        e.start()
+        a, b = submit(e, "first one", 100), submit(e, "second one", 6)
+        for _ in range(3):
+            await asyncio.to_thread(model.wait_entered)  # a step is in the model, waiting for its permit
+            model.allow()
+        await asyncio.to_thread(model.wait_entered)  # the 4th step is in flight: a and b in it
+        a.future.cancel()  # the client leaves now
+        in_flight = len(decodes(model)) + 1  # (the step in the model is logged when it is allowed to run)
+        model.allow(10)
+        await b.future
+        await e.stop()
+        return a, b, in_flight
+
+    a, b, in_flight = asyncio.run(main())
+    assert a.sid in decodes(model)[in_flight - 1]  # the step already running finishes with it...
+    assert all(a.sid not in ids for ids in decodes(model)[in_flight:])  # ...and no later one has it
+    assert len(b.tokens) == 6 and model.cached == 0
+
+
+def test_deadline_passes_in_the_queue_504_and_never_prefilled() -> None:
+    model = SteppedGen()
+
+    async def main() -> list[Any]:
+        e = engine("gen-naive", model, timeout_ms=30)
+        e.start()
+        a = submit(e, "running", 3)
+        await asyncio.to_thread(model.wait_entered)
+        b = submit(e, "waiting", 3)
+        await asyncio.sleep(0.06)  # b's 30 ms deadline passes while a holds the model
+        model.allow(5)
+        out = await outcomes([a, b])
+        await e.stop()
+        return out
+
+    a, b = asyncio.run(main())
+    assert isinstance(a, Seq) and isinstance(b, Expired)
+    assert all(2 not in ids for _, ids in model.calls)  # b (sequence 2) never reached the model
+
+
+def test_queue_cap_refuses_at_once_and_prompts_too_long_are_refused() -> None:
+    model = SteppedGen()
+
+    async def main() -> None:
+        e = engine("gen-naive", model, max_queue=1, max_kv_tokens=50)
+        e.start()
+        a = submit(e, "running", 2)
+        await asyncio.to_thread(model.wait_entered)
+        b = submit(e, "queued", 2)
+        with pytest.raises(Overloaded):
+            submit(e, "one too many", 2)
+        with pytest.raises(InputRejected, match="KV-cache budget"):
+            e.submit([1] * 10, 41)
+        with pytest.raises(InputRejected, match="context"):
+            e.submit([1] * 4000, 100)
+        model.allow(5)
+        await outcomes([a, b])
+        assert e.counters.rejected_overload == 1
+        await e.stop()
+
+    asyncio.run(main())
+
+
+def test_drain_finishes_the_work_then_refuses() -> None:
+    model = parse_synthetic_gen("synthetic-gen:1+1")
+
+    async def main() -> list[Any]:
+        e = engine("gen-continuous", model, max_batch_size=4)
+        e.start()
+        seqs = [submit(e, f"p {i}", 5) for i in range(10)]
+        await e.drain(10)
+        with pytest.raises(ShuttingDown):
+            submit(e, "late", 2)
+        await e.stop()
+        return await outcomes(seqs)
+
+    out = asyncio.run(main())
+    assert all(isinstance(s, Seq) and len(s.tokens) == 5 for s in out)
+
+
+def test_drain_past_its_grace_cuts_the_running_and_the_queued() -> None:
+    model = SteppedGen()
+
+    async def main() -> list[Any]:
+        e = engine("gen-continuous", model, max_batch_size=1)
+        e.start()
+        seqs = [submit(e, "long", 50), submit(e, "queued", 5)]
+        await asyncio.to_thread(model.wait_entered)
+        await e.drain(0.05)
+        model.allow(100)
+        out = await outcomes(seqs)
+        await e.stop()
+        return out
+
+    out = asyncio.run(main())
+    assert all(isinstance(o, ShuttingDown) for o in out)
+    assert model.cached == 0
+
+
+def test_a_failed_decode_step_fails_its_sequences_and_the_engine_goes_on() -> None:
+    model = SyntheticGen(0, 0)
+    real_decode = model.decode
+    failures = iter([True])
+
+    def flaky(seqs: list[tuple[int, int]]) -> list[int]:
+        if next(failures, False):
+            raise ModelError("step failed")
+        return real_decode(seqs)
+
+    model.decode = flaky  # type: ignore[method-assign]
+
+    async def main() -> tuple[list[Any], Any]:
+        e = engine("gen-continuous", model)
+        e.start()
+        first = await outcomes([submit(e, "a", 5), submit(e, "b", 5)])
+        later = await outcomes([submit(e, "c", 3)])
+        await e.stop()
+        return first, later[0]
+
+    first, later = asyncio.run(main())
+    assert all(isinstance(o, ModelError) for o in first)
+    assert isinstance(later, Seq) and len(later.tokens) == 3
+    assert model.cached == 0
+
+
+def test_a_dead_model_thread_answers_everyone() -> None:
+    model = SyntheticGen(0, 0)
+
+    def crash(seqs: list[tuple[int, int]]) -> list[int]:
+        raise Crash("simulated hard fault")
+
+    model.decode = crash  # type: ignore[method-assign]
+
+    async def main() -> tuple[list[Any], bool]:
+        e = engine("gen-continuous", model)
+        e.start()
+        seqs = [submit(e, "a", 5), submit(e, "b", 5)]
+        out = await outcomes(seqs)
+        with pytest.raises(WorkerDied):
+            submit(e, "c", 2)
+        healthy = e.healthy
+        await e.stop()
+        return out, healthy
+
+    out, healthy = asyncio.run(main())
+    assert all(isinstance(o, WorkerDied) for o in out) and not healthy

@@ -1,0 +1,148 @@
+"""Generation strategies on a virtual clock: the engine's own step loop, no HTTP, no torch, no sleeping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from labserver.strategies import Limits
+from labserver.strategies import make_strategy, strategy_names
+from labserver.engine.virtual import GenSimRun, simulate_gen
+
+LOCAL = ["gen-naive", "gen-static", "gen-continuous"]  # the ones with a step log (gen-hf-cb runs transformers)
+
+
+def sim(name: str, requests: list[tuple[float, int, int]], **limits: object) -> GenSimRun:
+    return simulate_gen(make_strategy(name, Limits(**limits)), requests, prefill_ms=20, step_ms=10)  # type: ignore[arg-type]
+
+
+def mixed(n: int = 24, span_s: float = 2.0, seed: int = 0) -> list[tuple[float, int, int]]:
+    """n requests arriving uniformly over span_s, prompts of 4-39 tokens, outputs of 16-256."""
+    rng = np.random.default_rng(seed)
+    return [(float(t), int(p), int(k)) for t, p, k in
+            zip(np.sort(rng.uniform(0, span_s, n)), rng.integers(4, 40, n), rng.integers(16, 257, n))]
+
+
+def decode_steps(run: GenSimRun) -> list:
+    return [s for s in run.steps if s.kind == "decode"]
+
+
+def test_registry_keeps_generation_apart() -> None:
+    generate = strategy_names("generate")
+    assert set(generate) == {"gen-naive", "gen-static", "gen-continuous", "gen-hf-cb"}
+    assert not set(generate) & set(strategy_names("encode"))
+    assert all(make_strategy(name).kind == "generate" and make_strategy(name).offload for name in generate)
+
+
+@pytest.mark.parametrize("name", LOCAL)
+def test_every_request_gets_exactly_its_tokens(name: str) -> None:
+    requests = mixed()
+    run = sim(name, requests, max_batch_size=8)
+    assert [len(s.tokens) for s in run.seqs] == [k for _, _, k in requests]
+    assert all(s.finish_reason == "length" and s.future.done() and s.future.error is None for s in run.seqs)
+    # each sequence is in exactly one prefill and in (its tokens - 1) decode steps while generating
+    for s in run.seqs:
+        assert sum(s.sid in step.seqs for step in run.steps if step.kind == "prefill") == 1
+        working = [st for st in decode_steps(run) if s.sid in st.seqs and s.sid not in st.idle]
+        assert len(working) == len(s.tokens) - 1
+
+
+@pytest.mark.parametrize("name", LOCAL)
+@pytest.mark.parametrize("cap, kv", [(4, None), (32, 600), (8, 2000)])
+def test_caps_are_respected(name: str, cap: int, kv: int | None) -> None:
+    run = sim(name, mixed(40), max_batch_size=cap, max_kv_tokens=kv)
+    assert max(len(s.seqs) for s in decode_steps(run)) <= cap
+    if kv is not None:
+        assert max(s.kv_reserved for s in run.steps) <= kv
+        assert max(s.kv_tokens for s in run.steps) <= kv
+    assert all(s.finished for s in run.seqs)
+
+
+def test_naive_runs_one_request_at_a_time() -> None:
+    run = sim("gen-naive", mixed(10))
+    assert {len(s.seqs) for s in run.steps} == {1}
+    order = [s.seqs[0] for s in run.steps if s.kind == "prefill"]
+    assert order == sorted(order)  # first come, first served
+
+
+def test_continuous_joins_at_the_next_step_boundary() -> None:
+    # one long sequence decoding; a second request arrives in the middle of a decode step
+    run = sim("gen-continuous", [(0.0, 8, 100), (0.0555, 8, 5)], max_batch_size=8)
+    late = run.seqs[1]
+    boundary = min(s.end_s for s in run.steps if s.end_s >= late.enqueued_s)
+    assert late.admitted_s == pytest.approx(boundary)  # prefilled right after the step it arrived during
+    prefill = next(s for s in run.steps if s.kind == "prefill" and late.sid in s.seqs)
+    after = [s for s in decode_steps(run) if s.start_s >= prefill.end_s][0]
+    assert set(after.seqs) == {1, 2}  # merged into the running batch at once
+    # the long one kept decoding: it waited one prefill, not for the newcomer's whole generation
+    assert run.seqs[0].finished_s < 0.02 + 100 * 0.01 + 0.02 + 0.001
+
+
+def test_continuous_leaves_at_once_static_holds_until_the_longest() -> None:
+    requests = [(0.0, 8, 10), (0.0, 8, 50)]
+    cont, static = sim("gen-continuous", requests, max_batch_size=8), sim("gen-static", requests, max_batch_size=8)
+    short_c, short_s = cont.seqs[0], static.seqs[0]
+    assert short_c.finished_s == pytest.approx(short_s.finished_s)  # same steps until it is done
+    # continuous: answered as it finishes and in no step after; static: computed as padding and held
+    assert short_c.future.settled_s == pytest.approx(short_c.finished_s)
+    assert not any(short_c.sid in s.seqs for s in decode_steps(cont) if s.start_s >= short_c.finished_s)
+    idle_steps = [s for s in decode_steps(static) if short_s.sid in s.idle]
+    assert len(idle_steps) == 40  # 50 - 10 steps computed for nobody
+    assert short_s.future.settled_s == pytest.approx(static.seqs[1].finished_s)
+
+
+def test_static_nobody_joins_a_batch_in_flight() -> None:
+    run = sim("gen-static", [(0.0, 8, 60), (0.1, 8, 5), (0.2, 8, 5)], max_batch_size=8)
+    first_batch_end = run.seqs[0].finished_s
+    assert run.seqs[1].admitted_s >= first_batch_end and run.seqs[2].admitted_s >= first_batch_end
+    # the two that waited form the next batch together (both queued when the model freed up)
+    assert run.seqs[1].admitted_s == run.seqs[2].admitted_s
+
+
+def test_static_uses_the_deadline_rule() -> None:
+    requests = [(0.0, 8, 5), (0.0005, 8, 5), (0.003, 8, 5)]
+    waits = simulate_gen(make_strategy("gen-static", Limits(max_batch_size=8, max_wait_ms=2, idle_dispatch=False)),
+                         requests, prefill_ms=20, step_ms=10)
+    first = next(s for s in waits.steps if s.kind == "prefill")
+    assert first.seqs == (1, 2) and first.start_s == pytest.approx(0.002)  # due 2 ms after the first item
+    eager = sim("gen-static", requests, max_batch_size=8, max_wait_ms=2)
+    assert next(s for s in eager.steps if s.kind == "prefill").seqs == (1,)  # idle dispatch: nobody else queued
+
+
+def test_continuous_beats_static_on_mixed_lengths() -> None:
+    requests = mixed(48, span_s=10.0)  # 4.8 requests/s: about what static batches of 8 can carry here
+    static, cont = sim("gen-static", requests, max_batch_size=8), sim("gen-continuous", requests, max_batch_size=8)
+    assert sum(len(s.idle) for s in decode_steps(static)) > 0
+    assert sum(len(s.idle) for s in decode_steps(cont)) == 0
+    assert cont.steps[-1].end_s < 0.75 * static.steps[-1].end_s  # the same work, much sooner
+    ttft = {name: np.percentile([(s.first_token_s - s.enqueued_s) for s in run.seqs], 90)
+            for name, run in (("static", static), ("cont", cont))}
+    assert ttft["cont"] < 0.5 * ttft["static"]
+
+
+def test_fifo_admission_no_starvation_under_a_kv_budget() -> None:
+    # budget 300: the big request (20 + 250) only fits once the running small ones leave
+    requests = [(0.0, 10, 100), (0.0, 10, 100), (0.001, 20, 250)] + [(0.002 + i * 0.001, 10, 20) for i in range(30)]
+    run = sim("gen-continuous", requests, max_batch_size=8, max_kv_tokens=300)
+    big = run.seqs[2]
+    later = run.seqs[3:]
+    assert all(s.admitted_s >= big.admitted_s for s in later)  # nobody overtook it
+    assert big.finished and all(s.finished for s in later)
+
+
+def test_prefill_budget_spreads_prompts_over_steps() -> None:
+    requests = [(0.0, 8, 200)] + [(0.05, 100, 10)] * 6
+    eager = sim("gen-continuous", requests, max_batch_size=16)
+    budget = sim("gen-continuous", requests, max_batch_size=16, prefill="budget", max_prefill_tokens=200)
+    sizes = [len(s.seqs) for s in budget.steps if s.kind == "prefill"][1:]
+    assert max(sizes) <= 2 and sum(sizes) == 6  # at most 200 prompt tokens per boundary: 2 prompts of 100
+    assert [len(s.seqs) for s in eager.steps if s.kind == "prefill"][1:] == [6]
+    # the running stream is never stalled for more than one (smaller) prefill between two steps
+    long_steps = [s for s in budget.steps if 1 in s.seqs]
+    gaps = np.diff([s.start_s for s in long_steps])
+    assert gaps.max() <= 0.010 + 0.020 + 1e-9
+
+
+def test_prefill_budget_admits_a_prompt_larger_than_the_budget_alone() -> None:
+    run = sim("gen-continuous", [(0.0, 500, 5)], prefill="budget", max_prefill_tokens=100)
+    assert run.seqs[0].finished
