@@ -88,14 +88,14 @@ class SteppedGen:
     def text(self, tokens: list[int]) -> str:
         return self.inner.text(tokens)
 
-    def prefill(self, seqs):  # type: ignore[no-untyped-def]
-        return self.inner.prefill(seqs)
+    def prefill(self, seqs, sampling=None):  # type: ignore[no-untyped-def]
+        return self.inner.prefill(seqs, sampling)
 
-    def decode(self, seqs):  # type: ignore[no-untyped-def]
+    def decode(self, seqs, sampling=None):  # type: ignore[no-untyped-def]
         self.entered.release()
         if not self.permits.acquire(timeout=30):
             raise RuntimeError("test never allowed the step")
-        return self.inner.decode(seqs)
+        return self.inner.decode(seqs, sampling)
 
     def release(self, seq_ids):  # type: ignore[no-untyped-def]
         self.inner.release(seq_ids)

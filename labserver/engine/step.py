@@ -33,11 +33,11 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..models import GenModel, InputRejected
+from ..models import GREEDY, GenModel, InputRejected, Sampling
 from ..strategies import GenStrategy
 from .base import Counters, EngineBase, ShuttingDown
 from .runner import run_isolating
@@ -59,8 +59,12 @@ class Seq:
     deadline_s: float = math.inf  # no first token by then: 504, never prefilled
     ignore_eos: bool = False
     request_id: str = ""
+    sampling: Sampling | None = None  # how its tokens are chosen (None: greedy), min_tokens folded in as eos_from
+    stop: tuple[str, ...] = ()  # it finishes ("stop") once its text contains one of these
+    min_tokens: int = 0  # EOS does not end it before this many tokens
+    cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache, not computed
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "length" | "eos" once finished
+    finish_reason: str | None = None  # "length" | "eos" | "stop" once finished
     admitted_s: float = math.nan  # its prefill started
     first_token_s: float = math.nan
     finished_s: float = math.nan  # its last token was made
@@ -86,14 +90,19 @@ class Seq:
         """The client left, or the request was answered otherwise (timeout, shutdown)."""
         return self.future.done() and not self.finished
 
-    def emit(self, token: int, now: float, eos_id: int | None) -> None:
-        """Append a token; finish on max_new_tokens or EOS; wake whoever streams this sequence."""
+    def emit(self, token: int, now: float, eos_id: int | None, text: Callable[[list[int]], str] | None = None) -> None:
+        """Append a token; finish on a stop string, max_new_tokens or EOS; wake whoever streams it.
+
+        ``text`` (the model's detokenizer) is read only for a sequence with stop strings.
+        """
         if not self.tokens:
             self.first_token_s = now
         self.tokens.append(token)
-        if len(self.tokens) >= self.max_new_tokens:
+        if self.stop and text is not None and any(s in text(self.tokens) for s in self.stop):
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
-        elif token == eos_id and not self.ignore_eos:
+        elif token == eos_id and not self.ignore_eos and len(self.tokens) > self.min_tokens:
             self.finish_reason = "eos"
         if self.finished:
             self.finished_s = now
@@ -108,6 +117,12 @@ class Seq:
         if self._wake is None or self._wake.done():
             self._wake = asyncio.get_running_loop().create_future()
         return self._wake
+
+
+def _samplings(seqs: list[Seq]) -> tuple[list[Sampling | None], ...]:
+    """The extra argument of a model call: every sequence's choice, or nothing when all are greedy
+    (so a model that only decodes greedily need not take the argument)."""
+    return () if all(s.sampling is None for s in seqs) else ([s.sampling for s in seqs],)
 
 
 @dataclass
@@ -173,9 +188,13 @@ class StepEngine(EngineBase):
         self._step_ids = itertools.count(1)
 
     # -- the request side --------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False,
-               request_id: str = "") -> Seq:
-        """Queue one sequence. Raises InputRejected (too long), Overloaded, ShuttingDown or WorkerDied."""
+    def submit(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False, request_id: str = "",
+               sampling: Sampling | None = None, stop: Sequence[str] = (), min_tokens: int = 0) -> Seq:
+        """Queue one sequence. Raises InputRejected (too long), Overloaded, ShuttingDown or WorkerDied.
+
+        ``sampling`` None is greedy; ``stop`` strings end it early ("stop"); EOS cannot end it
+        before ``min_tokens`` (the model never chooses EOS before then).
+        """
         need = len(prompt_ids) + max_new_tokens
         if need > self.model.max_context:
             raise InputRejected(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) is "
@@ -186,8 +205,10 @@ class StepEngine(EngineBase):
                                 f"budget of {budget} (max_kv_tokens); ask for fewer tokens")
         self.admit_or_refuse(1)
         now = self.clock()
+        if min_tokens and not ignore_eos:
+            sampling = replace(sampling or GREEDY, eos_from=len(prompt_ids) + min_tokens)
         seq = Seq(next(self._sids), prompt_ids, max_new_tokens, asyncio.get_running_loop().create_future(), now,
-                  self.deadline_s(now), ignore_eos, request_id)
+                  self.deadline_s(now), ignore_eos, request_id, sampling, tuple(stop), min_tokens)
         self.queue.put([seq])
         return seq
 
@@ -223,7 +244,7 @@ class StepEngine(EngineBase):
             seq.admitted_s = start
             if seq.deadline_s < start:  # live() used the same reading: impossible, counted anyway
                 self.counters.computed_after_deadline += 1
-        outs, calls = await self.call(run_isolating, self.model.prefill, [(s.sid, s.prompt_ids) for s in seqs])
+        outs, calls = await self.call(run_isolating, self._prefill_call, seqs)
         end = self.clock()
         self.counters.prefills += calls
         self.counters.reasons[reason] += 1
@@ -235,12 +256,16 @@ class StepEngine(EngineBase):
                     seq.future.set_exception(out)
             else:
                 self.counters.requests += 1
-                seq.emit(out, end, self.model.eos_id)
+                seq.emit(out, end, self.model.eos_id, self.model.text)
                 self.counters.tokens += 1
                 ok.append(seq)
         self.running.seqs.extend(ok)
         self._record("prefill", start, end, tuple(s.sid for s in ok), ())
         await self._retire()
+
+    def _prefill_call(self, seqs: list[Seq]) -> list[int]:
+        """One prefill call (on the model thread; ``run_isolating`` splits the list when it fails)."""
+        return self.model.prefill([(s.sid, s.prompt_ids) for s in seqs], *_samplings(seqs))
 
     async def _decode(self) -> None:
         limit = self.model.max_context
@@ -252,7 +277,7 @@ class StepEngine(EngineBase):
             return
         start = self.clock()
         try:
-            outs = await self.call(self.model.decode, [(s.sid, s.tokens[-1]) for s in batch])
+            outs = await self.call(self.model.decode, [(s.sid, s.tokens[-1]) for s in batch], *_samplings(batch))
         except Exception as e:  # a failed step fails every sequence in it (mid-stream: an error event)
             logger.exception("decode step failed for %d sequences", len(batch))
             self.counters.failed += len(batch)
@@ -269,7 +294,7 @@ class StepEngine(EngineBase):
                 continue
             seq.steps += 1
             seq.step_batch_sum += len(batch)
-            seq.emit(token, end, self.model.eos_id)
+            seq.emit(token, end, self.model.eos_id, self.model.text)
         self.counters.decode_steps += 1
         self.counters.tokens += len(batch) - len(idle)
         self.counters.idle_tokens += len(idle)
@@ -306,7 +331,7 @@ class StepEngine(EngineBase):
         for token in tokens:
             if seq.finished or seq.future.done():
                 return
-            seq.emit(token, now, self.model.eos_id)
+            seq.emit(token, now, self.model.eos_id, self.model.text)
             self.counters.tokens += 1
 
     def external_done(self, seq: Seq, reason: str | None, error: BaseException | None) -> None:

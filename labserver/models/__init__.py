@@ -22,13 +22,13 @@ transformers are imported only when a real model is built, so the synthetic mode
 
 from __future__ import annotations
 
-from .base import (MEANINGLESS, POISON, GenModel, InputRejected, Model, ModelError, ModelLoadError, OutOfMemory,
-                   minilm_dir, pick_device, pick_dtype)
+from .base import (GREEDY, MEANINGLESS, POISON, GenModel, InputRejected, Model, ModelError, ModelLoadError,
+                   OutOfMemory, Sampling, minilm_dir, pick_device, pick_dtype)
 from .synthetic import Echo, Synthetic, SyntheticGen, parse_synthetic, parse_synthetic_gen
 
-__all__ = ["GEN_SPECS", "MEANINGLESS", "POISON", "Echo", "GenModel", "InputRejected", "Model", "ModelError",
-           "ModelLoadError", "OutOfMemory", "Synthetic", "SyntheticGen", "kind_of", "load_model", "minilm_dir",
-           "parse_synthetic", "parse_synthetic_gen", "pick_device", "pick_dtype"]
+__all__ = ["GEN_SPECS", "GREEDY", "MEANINGLESS", "POISON", "Echo", "GenModel", "InputRejected", "Model",
+           "ModelError", "ModelLoadError", "OutOfMemory", "Sampling", "Synthetic", "SyntheticGen", "kind_of",
+           "load_model", "minilm_dir", "parse_synthetic", "parse_synthetic_gen", "pick_device", "pick_dtype"]
 
 GEN_SPECS = ("gpt2-random", "gpt2-tiny-random", "synthetic-gen:PREFILL_MS+STEP_MS")
 

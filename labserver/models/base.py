@@ -19,11 +19,13 @@ Nothing here knows HTTP or strategies; torch is imported only when a device is p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["MEANINGLESS", "POISON", "GenModel", "InputRejected", "Model", "ModelError", "ModelLoadError",
-           "OutOfMemory", "minilm_dir", "pick_device", "pick_dtype"]
+__all__ = ["GREEDY", "MEANINGLESS", "POISON", "GenModel", "InputRejected", "Model", "ModelError", "ModelLoadError",
+           "OutOfMemory", "Sampling", "Samplings", "minilm_dir", "pick_device", "pick_dtype", "position_seed"]
 
 POISON = "__poison__"  # an input containing this fails inside the synthetic models (fault tests)
 MEANINGLESS = "random weights: these predictions are meaningless (compute cost only)"
@@ -55,6 +57,40 @@ class Model(Protocol):
         """Raise InputRejected for an input that can never succeed; cheap, on the event loop."""
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How one sequence's next token is chosen from the model's scores.
+
+    Every choice is tied to the token's *position* (how many tokens precede it), not to
+    the step or the batch it was computed in: with a ``seed``, the token at position p is
+    the same however the sequence was batched, and after it was preempted and recomputed.
+    """
+
+    temperature: float = 0.0  # 0: greedy (argmax); > 0: sample from softmax(scores / temperature)
+    top_p: float = 1.0  # nucleus: sample among the most likely tokens whose probabilities sum to top_p
+    seed: int | None = None  # None: a fresh draw each time; an int: reproducible per position
+    eos_from: int = 0  # EOS may not be chosen at positions before this (a request's min_tokens)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.temperature <= 100:
+            raise ValueError(f"temperature must be in 0..100, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = Sampling()
+Samplings = Sequence[Sampling | None] | None  # one per sequence of a call (None: all greedy)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A generator seed for the token at ``position`` (tokens before it) of a sequence seeded with ``seed``."""
+    return (seed * 1_000_003 + position * 7_919) % (2**63 - 1)
+
+
 @runtime_checkable
 class GenModel(Protocol):
     """What the generation engine needs from a model. Sequence ids are the engine's."""
@@ -73,10 +109,12 @@ class GenModel(Protocol):
     def text(self, tokens: list[int]) -> str:
         """A whole output's text."""
 
-    def prefill(self, seqs: list[tuple[int, list[int]]]) -> list[int]:
-        """Run these prompts, keep their cache under their ids, return each one's first new token."""
+    def prefill(self, seqs: list[tuple[int, list[int]]], sampling: Samplings = None) -> list[int]:
+        """Run these prompts, keep their cache under their ids, return each one's first new token
+        (chosen as ``sampling[i]`` says; the engine leaves the argument out when all are greedy,
+        so a greedy-only model need not take it)."""
 
-    def decode(self, seqs: list[tuple[int, int]]) -> list[int]:
+    def decode(self, seqs: list[tuple[int, int]], sampling: Samplings = None) -> list[int]:
         """One step: each (seq_id, last token) -> its next token. Sequences may differ in length."""
 
     def release(self, seq_ids: list[int]) -> None:

@@ -14,8 +14,9 @@ of them reads the view ``[:n, :, :longest]`` (no copy), and a boolean mask hides
 positions past its own length. Releasing a sequence moves the last live row into its place.
 
 What this is not: fast or frugal. Every row is padded to the longest live sequence (a paged
-cache, as in vLLM or transformers' ContinuousBatchingManager, is not); decoding is greedy
-(argmax) only; there are no fused kernels; and the text is meaningless (random weights).
+cache, as in vLLM or transformers' ContinuousBatchingManager, is not); there are no fused
+kernels; and the text is meaningless (random weights). Tokens are chosen by
+``labserver.models.sampling.choose`` (greedy unless a request samples).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from transformers import BertTokenizerFast, GPT2Config, GPT2LMHeadModel
 
-from .base import MEANINGLESS, InputRejected, ModelError, minilm_dir, pick_device, pick_dtype
+from .base import MEANINGLESS, InputRejected, ModelError, Samplings, minilm_dir, pick_device, pick_dtype
+from .sampling import choose
 
 logger = logging.getLogger(__name__)
 
@@ -249,11 +251,16 @@ class GPT2Gen:
         out[torch.tensor(order, device=dev)] = logits  # back to the caller's order
         return out
 
-    def prefill(self, seqs: list[tuple[int, list[int]]]) -> list[int]:
-        return self.prefill_logits(seqs).argmax(-1).tolist() if seqs else []  # greedy
+    def prefill(self, seqs: list[tuple[int, list[int]]], sampling: Samplings = None) -> list[int]:
+        if not seqs:
+            return []
+        return choose(self.prefill_logits(seqs), [len(p) for _, p in seqs], sampling, self.eos_id)
 
-    def decode(self, seqs: list[tuple[int, int]]) -> list[int]:
-        return self.decode_logits(seqs).argmax(-1).tolist() if seqs else []  # greedy
+    def decode(self, seqs: list[tuple[int, int]], sampling: Samplings = None) -> list[int]:
+        if not seqs:
+            return []
+        logits = self.decode_logits(seqs)  # the step moved each sequence one position on
+        return choose(logits, [self.cache.lengths[self.cache.row[sid]] for sid, _ in seqs], sampling, self.eos_id)
 
     @torch.inference_mode()  # the cache tensors are inference tensors: moving rows needs the mode too
     def release(self, seq_ids: list[int]) -> None:

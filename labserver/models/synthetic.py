@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 import time
 import zlib
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import POISON, InputRejected, ModelError, OutOfMemory
+from .base import POISON, InputRejected, ModelError, OutOfMemory, Sampling, Samplings, position_seed
 
 __all__ = ["Echo", "Synthetic", "SyntheticGen", "parse_synthetic", "parse_synthetic_gen"]
 
@@ -112,6 +113,7 @@ class SyntheticGen:
             self.name = f"synthetic-gen:{self.prefill_ms:g}+{self.step_ms:g}"
         self._length: dict[int, int] = {}  # seq id -> tokens generated so far
         self._seed: dict[int, int] = {}  # seq id -> where its output starts in the vocabulary
+        self._prompt: dict[int, int] = {}  # seq id -> prompt tokens (a token's position = prompt + generated before it)
 
     # -- text <-> tokens: word n of the vocabulary is token n + 1 (0 is EOS) ------------------
     def encode(self, prompt: str) -> list[int]:
@@ -133,7 +135,7 @@ class SyntheticGen:
         return self.step_ms + self.per_seq_ms * n
 
     # -- the two steps --------------------------------------------------------------------
-    def prefill(self, seqs: list[tuple[int, list[int]]]) -> list[int]:
+    def prefill(self, seqs: list[tuple[int, list[int]]], sampling: Samplings = None) -> list[int]:
         self.calls.append(("prefill", tuple(s for s, _ in seqs)))
         self.sleep(self.prefill_cost_ms(sum(len(p) for _, p in seqs)) / 1000)
         if any(p and p[-1] == 0 for _, p in seqs):  # encode() marks a poisoned prompt with a trailing 0
@@ -141,29 +143,35 @@ class SyntheticGen:
         for sid, prompt in seqs:
             self._length[sid] = 1
             self._seed[sid] = prompt[-1]
-        return [self._token(sid) for sid, _ in seqs]
+            self._prompt[sid] = len(prompt)
+        return [self._token(sid, s) for (sid, _), s in zip(seqs, sampling or [None] * len(seqs), strict=True)]
 
-    def decode(self, seqs: list[tuple[int, int]]) -> list[int]:
+    def decode(self, seqs: list[tuple[int, int]], sampling: Samplings = None) -> list[int]:
         self.calls.append(("decode", tuple(s for s, _ in seqs)))
         self.sleep(self.step_cost_ms(len(seqs)) / 1000)
         out = []
-        for sid, _ in seqs:
+        for (sid, _), s in zip(seqs, sampling or [None] * len(seqs), strict=True):
             if sid not in self._length:
                 raise ModelError(f"decode of sequence {sid}, which has no cache (never prefilled or released)")
             self._length[sid] += 1
-            out.append(self._token(sid))
+            out.append(self._token(sid, s))
         return out
 
     def release(self, seq_ids: list[int]) -> None:
         for sid in seq_ids:
-            self._length.pop(sid, None)
-            self._seed.pop(sid, None)
+            for held in (self._length, self._seed, self._prompt):
+                held.pop(sid, None)
 
-    def _token(self, sid: int) -> int:
+    def _token(self, sid: int, sampling: Sampling | None = None) -> int:
+        """Greedy: the next word after the prompt's last; sampled: a word drawn per position (seeded: reproducible)."""
         n = self._length[sid]
-        if self.eos_after is not None and n >= self.eos_after:
+        position = self._prompt[sid] + n - 1  # tokens before this one
+        if self.eos_after is not None and n >= self.eos_after and (sampling is None or position >= sampling.eos_from):
             return 0
-        return 1 + (self._seed[sid] + n) % 50_000
+        if sampling is None or sampling.greedy:
+            return 1 + (self._seed[sid] + n) % 50_000
+        draw = random.Random(position_seed(sampling.seed, position)) if sampling.seed is not None else random
+        return 1 + draw.randrange(50_000)
 
     @property
     def cached(self) -> int:

@@ -1,0 +1,50 @@
+"""Choosing the next token from a model's scores: greedy, or sampled with temperature and top-p.
+
+``choose(logits, positions, sampling, eos_id)`` turns a ``[batch, vocab]`` tensor of
+scores into one token per row. A row's ``Sampling`` (``labserver.models.base``) says
+how: temperature 0 is argmax; otherwise softmax(scores / temperature), cut to the
+smallest set of tokens whose probabilities reach ``top_p``, and one draw. A seeded draw
+uses a generator seeded from (seed, position), so the same request gives the same
+tokens however it was batched, and a sequence recomputed after a preemption picks the
+same tokens again. Before ``eos_from`` the EOS token is never chosen (``min_tokens``).
+
+What this is not: a full logits-processor stack (no repetition penalty, no top-k, no
+logprobs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import GREEDY, Samplings, position_seed
+
+__all__ = ["choose"]
+
+
+def choose(logits: torch.Tensor, positions: list[int], sampling: Samplings = None,
+           eos_id: int | None = None) -> list[int]:
+    """One token per row of ``logits`` [batch, vocab]; ``positions[i]``: tokens before row i's choice."""
+    if not len(logits):
+        return []
+    if sampling is None or all(s is None or (s.greedy and s.eos_from <= p) for s, p in zip(sampling, positions)):
+        return logits.argmax(-1).tolist()  # the usual case: one vectorised argmax
+    out = []
+    for row, position, s in zip(logits, positions, sampling, strict=True):
+        s = s or GREEDY
+        if eos_id is not None and position < s.eos_from:
+            row = row.clone()
+            row[eos_id] = -torch.inf
+        if s.greedy:
+            out.append(int(row.argmax()))
+            continue
+        probs = torch.softmax(row.float() / s.temperature, dim=-1)
+        if s.top_p < 1.0:
+            ordered, order = probs.sort(descending=True)
+            before = ordered.cumsum(-1) - ordered  # mass of the more likely tokens
+            ordered[before >= s.top_p] = 0.0  # keeps at least the most likely one
+            probs = torch.zeros_like(probs).scatter_(-1, order, ordered)
+        generator = None
+        if s.seed is not None:
+            generator = torch.Generator(device=probs.device).manual_seed(position_seed(s.seed, position))
+        out.append(int(torch.multinomial(probs, 1, generator=generator)))
+    return out
