@@ -11,6 +11,7 @@ beyond ``serve``, ``run_load_sync`` and the plots lives here:
   ``labserver.experiments.runs``, re-exported: start each strategy in turn, warm it
   up, load it at several offered rates, stop it, and keep the records, tokens, step
   log, the server's event-loop lag and the /health probes in one clock;
+* ``claim``: a sentence about the numbers, checked against them and printed with them;
 * ``brief``, ``lag_sawtooth``: what a notebook prints and draws of a run;
 * ``time_batches``: the model alone, timed at several batch sizes;
 * ``sim_frames``: virtual-clock runs (``labserver.engine.virtual``) as frames the plots take.
@@ -22,9 +23,11 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -35,9 +38,12 @@ from .experiments.runs import Runs, lag_in_run_clock, load_rates, serve_and_load
 from .load.arrivals import WORDS, WordTexts
 
 __all__ = [
+    "MIN_P99_SAMPLES",
     "QUICK_ENV",
+    "Claim",
     "Runs",
     "brief",
+    "claim",
     "device_label",
     "gpu_available",
     "lag_in_run_clock",
@@ -58,6 +64,7 @@ logger = logging.getLogger(__name__)
 QUICK_ENV = "LABSERVER_QUICK"
 T = TypeVar("T")
 
+MIN_P99_SAMPLES = 300  # answers below which a p99 is not reported (it would be one or two requests)
 BRIEF_COLUMNS = ("label", "rate", "count", "throughput_rps", "goodput_rps", "p50_ms", "p99_ms", "mean_ms",
                  "mean_batch_size", "n_503", "n_504", "n_500", "late_frac")
 
@@ -133,13 +140,63 @@ def lag_sawtooth(lag: pd.DataFrame, min_ms: float = 1.0) -> pd.DataFrame:
 
 
 def brief(summary: pd.DataFrame, columns: Sequence[str] = BRIEF_COLUMNS, digits: int = 1) -> pd.DataFrame:
-    """The columns of a summary worth reading in a notebook, rounded; absent ones skipped."""
-    view = summary[[c for c in columns if c in summary.columns]].copy()
+    """The columns of a summary worth reading in a notebook, rounded; absent ones skipped.
+
+    A p99 over fewer than ``MIN_P99_SAMPLES`` answers says little (its one or two slowest
+    requests): such cells are left empty, and a note says so. The share of late sends
+    (``late_frac``) is always shown when the summary has it.
+    """
+    wanted = list(columns) + (["late_frac"] if "late_frac" not in columns else [])
+    view = summary[[c for c in wanted if c in summary.columns]].copy()
     floats = view.select_dtypes("float").columns
     view[floats] = view[floats].round(digits)
     if "late_frac" in view.columns:
         view["late_frac"] = summary["late_frac"].round(3)
+    tails = [c for c in view.columns if "p99" in c and not c.startswith("itl")]  # ITL pools every gap
+    if tails and "n_ok" in summary.columns:
+        few = summary["n_ok"] < MIN_P99_SAMPLES
+        if few.any():
+            view.loc[few, tails] = np.nan
+            print(f"(p99 left out of {int(few.sum())} row(s) with fewer than {MIN_P99_SAMPLES} answers: "
+                  "see their max or p90)")
     return view
+
+
+# ---------------------------------------------------------------- claims: words that hold on the output
+
+
+@dataclass
+class Claim:
+    """One sentence a notebook states about its own numbers, checked against them."""
+
+    statement: str  # what the lesson says, in words
+    holds: bool  # whether the numbers just measured bear it out
+    evidence: str  # the numbers, as measured
+    why_it_may_not: str = ""  # what can make it fail here (small samples, a busy machine, ...)
+
+    def __str__(self) -> str:
+        if self.holds:
+            return f"✔ holds here: {self.statement} ({self.evidence})"
+        why = f" — why it may not: {self.why_it_may_not}" if self.why_it_may_not else ""
+        return f"✘ DOES NOT HOLD here: {self.statement} ({self.evidence}){why}"
+
+
+def claim(statement: str, holds: bool, evidence: str, why_it_may_not: str = "") -> Claim:
+    """State a claim, check it against numbers just measured, and print it with them.
+
+    ``claim("continuous's p99 TTFT is under half of static's", ratio <= 0.5, f"{c:.0f} vs {s:.0f} ms")``
+    prints a mark (holds / does not hold here), the statement and its evidence. A notebook's
+    markdown then only repeats what such a line (or a printed table) showed, so a re-run with
+    other numbers cannot leave its words behind. A claim that does not hold is printed to
+    stderr as well (shown in red in Jupyter), with ``why_it_may_not``; in quick mode it is
+    marked as such, since tiny runs say little. Nothing is raised: the lesson goes on.
+    """
+    result = Claim(statement, bool(holds), evidence, why_it_may_not)
+    text = str(result) + (" [quick mode: small samples]" if quick_mode() else "")
+    print(text)
+    if not result.holds:
+        print(text, file=sys.stderr)
+    return result
 
 
 # ---------------------------------------------------------------- the model alone
