@@ -50,6 +50,7 @@ __all__ = [
     "lag_sawtooth",
     "load_rates",
     "masked_texts",
+    "md1_replay_ms",
     "pick",
     "quick_mode",
     "serve_and_load",
@@ -246,6 +247,22 @@ def time_batches(model: Any, sizes: Sequence[int], texts: Sequence[str], *, repe
 
 
 # ---------------------------------------------------------------- virtual clock
+
+
+def md1_replay_ms(records: pd.DataFrame, service_ms: float) -> np.ndarray:
+    """The latency each request of a naive run would have had on an exact M/D/1 server.
+
+    The run's own scheduled send times are replayed through the ``naive`` rule on a virtual
+    clock with a constant ``service_ms`` per request: the queueing of *these* arrivals with
+    no noise, to hold the measurement against (the Pollaczek-Khinchine mean is the average
+    over all arrival sequences; one run of a few hundred requests can sit well off it).
+    Rows in the order of ``scheduled_s``; warm-up rows included.
+    """
+    from .engine.virtual import simulate
+    from .strategies import make_strategy
+
+    scheduled = np.sort(records["scheduled_s"].to_numpy(dtype=float))
+    return np.asarray(simulate(make_strategy("naive"), scheduled.tolist(), lambda n: service_ms).latencies_ms)
 
 
 def sim_frames(runs: Mapping[str, SimRun], arrivals_s: Sequence[float]) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -125,3 +125,15 @@ def test_generation_compare_writes_results_and_plot_redraws_them(tmp_path: Path,
         png.unlink()
     assert cli.main(["plot", str(out)]) == 0
     assert (out / "overview.png").stat().st_size > 0 and (out / "steps_gen-continuous.png").exists()
+
+
+def test_compare_shows_overload_as_503s_not_as_unsent_requests() -> None:
+    """The server's queue cap is below the load generator's in-flight limit, so the server, not
+    the client, turns overload away; what the client could not send has its own column."""
+    from labserver.experiments.compare import TABLE_COLUMNS, CompareConfig
+    from labserver.loadgen import LoadSpec
+
+    assert CompareConfig().max_queue < LoadSpec("http://127.0.0.1:1", duration_s=1).max_in_flight
+    assert "err_client_overflow" in TABLE_COLUMNS["encode"]
+    at = CompareConfig().lesson_rates(CompareConfig().rates)
+    assert at["latency_cdf"] < at["batch_gantt"] < max(CompareConfig().rates)

@@ -21,8 +21,6 @@ leaves it out and understates the queueing at rho 0.7 by about 10 %; both are pr
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -30,9 +28,8 @@ import pytest
 import labserver
 from labserver import analysis
 from labserver.loadgen import run_load_sync
-from labserver.strategies import make_strategy
-from labserver.analysis.theory import md1_mean_response_ms
-from labserver.engine.virtual import simulate
+from labserver.analysis.theory import busy_cycles_ms, md1_mean_response_ms
+from labserver.lab import md1_replay_ms
 
 SERVICE_MS = 20.0  # long enough that the loop's own HTTP work per request is a small share
 
@@ -45,22 +42,10 @@ def load(url: str, rate: float, duration_s: float, seed: int) -> pd.DataFrame:
     return result.records.sort_values("scheduled_s")
 
 
-def busy_cycles_ms(batches: list[dict]) -> list[float]:
-    """Dispatch-to-dispatch gaps between a batch and the next one whose request was
-    already queued when the first finished (naive: one request per batch)."""
-    cycles = []
-    for a, b in itertools.pairwise(batches):
-        finished_s = a["dispatched_s"] + a["compute_ms"] / 1000
-        enqueued_s = b["dispatched_s"] - b["queue_wait_ms"] / 1000
-        if enqueued_s < finished_s:
-            cycles.append((b["dispatched_s"] - a["dispatched_s"]) * 1000)
-    return cycles
-
-
 def replay_mean_ms(records: pd.DataFrame, service_ms: float) -> float:
     """The same schedule's mean latency on a virtual M/D/1 server with that service time."""
-    sim = simulate(make_strategy("naive"), records["scheduled_s"].tolist(), lambda n: service_ms)
-    return float(np.mean(np.array(sim.latencies_ms)[~records["warmup"].to_numpy()]))
+    ordered = records.sort_values("scheduled_s")
+    return float(np.mean(md1_replay_ms(ordered, service_ms)[~ordered["warmup"].to_numpy()]))
 
 
 def test_naive_is_an_md1_queue(capsys: pytest.CaptureFixture[str]) -> None:

@@ -299,3 +299,13 @@ def test_shutdown_answers_every_queued_client() -> None:
     assert len(results) == 8
     assert 200 in results and 503 in results  # some finished in the grace period, the rest got 503
     assert set(results) <= {200, 503}
+
+
+def test_request_ids_are_unique_across_servers_in_one_process() -> None:
+    """Two servers started one after the other in one kernel: "find it in the log" stays unambiguous."""
+    ids = []
+    for _ in range(2):
+        with labserver.serve("naive", "echo") as h:
+            ids += [httpx.post(h.url + "/", content=b"x").headers["x-request-id"] for _ in range(3)]
+    assert len(set(ids)) == 6
+    assert ids[0].split("-")[0] != ids[3].split("-")[0]  # a prefix per server start

@@ -17,10 +17,14 @@ Nothing here knows of records, HTTP or matplotlib.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Mapping
+
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "busy_cycles_ms",
     "capacity_rps",
     "md1_mean_response_ms",
     "mg1_mean_response_ms",
@@ -113,3 +117,21 @@ def mm1_response_quantile_ms(rate_per_s: Rate, service_ms: float, q: float) -> f
         raise ValueError(f"q is a quantile and must lie in (0, 1), got {q!r}")
     mean_ms = np.asarray(mm1_mean_response_ms(rate_per_s, service_ms))
     return _out(-np.log1p(-q) * mean_ms)
+
+
+def busy_cycles_ms(batches: Iterable[Mapping[str, float]]) -> list[float]:
+    """The server's service time as its queue feels it, from its own batch log (``ServerHandle.batches()``).
+
+    Dispatch-to-dispatch gaps between a batch and the next one whose request was already
+    queued when the first finished: the model time *plus* the hand-off (the model settles
+    the future, the loop wakes, the worker takes the next item), serial work that keeps the
+    next request waiting just as the model does. That is the D an M/D/1 prediction needs;
+    the model time alone understates the queueing.
+    """
+    cycles = []
+    for a, b in itertools.pairwise(batches):
+        finished_s = a["dispatched_s"] + a["compute_ms"] / 1000
+        enqueued_s = b["dispatched_s"] - b["queue_wait_ms"] / 1000
+        if enqueued_s < finished_s:
+            cycles.append((b["dispatched_s"] - a["dispatched_s"]) * 1000)
+    return cycles

@@ -114,34 +114,45 @@ def overview(
     probes: pd.DataFrame | None = None,
     slo_ms: float | None = None,
     rate: float | None = None,
+    cdf_rate: float | None = None,
     n_requests: int = 40,
     title: str | None = None,
     figsize: tuple[float, float] = (15.0, 9.0),
 ) -> Figure:
-    """One figure of the pictures above, for saving: CDF, latency vs throughput and
-    batch sizes over every run; the request timeline (first label) and batch
-    Gantt (every label) of the runs offered ``rate``, by default each label's
-    highest rate, where queues are longest; the event-loop lag when given.
+    """One figure of the pictures above, for saving, each panel titled with the rate it shows.
 
-    The Figure is not registered with pyplot (nothing to close, nothing shown
-    twice): save it with ``fig.savefig``, or leave it as a notebook cell's value.
+    Latency against throughput over every run; the latency CDF and the event-loop lag of
+    the runs offered ``cdf_rate``; batch sizes, the request timeline (first label) and the
+    batch Gantt of the runs offered ``rate``. Either rate defaults to each label's highest.
+    The Figure is not registered with pyplot (nothing to close, nothing shown twice): save
+    it with ``fig.savefig``, or leave it as a notebook cell's value.
     """
     frame = frame_of(records_by_label)
     fig = Figure(figsize=figsize, layout="constrained")
     grid = fig.add_gridspec(2, 3)
-    latency_cdf(frame, fig.add_subplot(grid[0, 0]))
+    shown = busiest_runs(frame, cdf_rate)
+    _at(latency_cdf(shown, fig.add_subplot(grid[0, 0])), "Latency", shown)
     table = summary if summary is not None else analysis.summarize_runs(frame, slo_ms=slo_ms)
     latency_vs_throughput(table, fig.add_subplot(grid[0, 1]), slo_ms=slo_ms)
-    batch_size_hist(frame, fig.add_subplot(grid[0, 2]))
     busiest = busiest_runs(frame, rate)
+    _at(batch_size_hist(busiest, fig.add_subplot(grid[0, 2])), "Batch sizes", busiest)
     first = one_run(busiest, None, None)
     ax = request_timeline(first, fig.add_subplot(grid[1, 0]), n=n_requests)
     if "label" in first.columns and len(first):
-        at = f" @ {first['rate'].iloc[0]:g}/s" if "rate" in first.columns and first["rate"].notna().any() else ""
-        ax.set_title(f"Where each request's time went: {first['label'].iloc[0]}{at}")
-    batch_gantt(busiest, fig.add_subplot(grid[1, 1] if lag is not None else grid[1, 1:]))
+        _at(ax, f"Where each request's time went: {first['label'].iloc[0]}", first)
+    _at(batch_gantt(busiest, fig.add_subplot(grid[1, 1] if lag is not None else grid[1, 1:])), "Batches", busiest)
     if lag is not None:
-        loop_lag(lag, fig.add_subplot(grid[1, 2]), probes=probes)
+        lag_frame = frame_of(lag)
+        if "rate" in lag_frame.columns and len(shown) and "rate" in shown.columns:
+            lag_frame = lag_frame[lag_frame["rate"].isin(pd.unique(shown["rate"]))]
+        _at(loop_lag(lag_frame, fig.add_subplot(grid[1, 2]), probes=probes), "Event-loop lag", shown)
     if title:
         fig.suptitle(title)
     return fig
+
+
+def _at(ax: Axes, what: str, rows: pd.DataFrame) -> Axes:
+    """Title a panel with the offered rate(s) of the runs it shows."""
+    rates = sorted(pd.unique(rows["rate"].dropna())) if "rate" in rows.columns and len(rows) else []
+    ax.set_title(f"{what} @ {', '.join(f'{r:g}' for r in rates)}/s" if rates else what)
+    return ax

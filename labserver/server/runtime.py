@@ -13,7 +13,7 @@ import asyncio
 import gc
 import itertools
 import logging
-import os
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -42,7 +42,7 @@ class Runtime:
         self.started_s = time.time()
         self.lag = LagMonitor(config.lag_interval_ms)
         self._ids = itertools.count(1)
-        self._prefix = f"{os.getpid():x}-"
+        self._prefix = f"{secrets.token_hex(3)}-"  # per server start: ids stay unique across servers in one process
         self._load_task: asyncio.Task[None] | None = None
         self.latency_observer: Callable[[float], None] | None = None  # set by labserver.server.metrics
         self.registry: Any = None  # the app's Prometheus registry, set with it
