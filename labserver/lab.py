@@ -181,6 +181,9 @@ class Claim:
         why = f" — why it may not: {self.why_it_may_not}" if self.why_it_may_not else ""
         return f"✘ DOES NOT HOLD here: {self.statement} ({self.evidence}){why}"
 
+    def _ipython_display_(self) -> None:
+        """Printed once by ``claim``; a cell that ends with it shows nothing more."""
+
 
 def claim(statement: str, holds: bool, evidence: str, why_it_may_not: str = "") -> Claim:
     """State a claim, check it against numbers just measured, and print it with them.
@@ -188,15 +191,13 @@ def claim(statement: str, holds: bool, evidence: str, why_it_may_not: str = "") 
     ``claim("continuous's p99 TTFT is under half of static's", ratio <= 0.5, f"{c:.0f} vs {s:.0f} ms")``
     prints a mark (holds / does not hold here), the statement and its evidence. A notebook's
     markdown then only repeats what such a line (or a printed table) showed, so a re-run with
-    other numbers cannot leave its words behind. A claim that does not hold is printed to
-    stderr as well (shown in red in Jupyter), with ``why_it_may_not``; in quick mode it is
-    marked as such, since tiny runs say little. Nothing is raised: the lesson goes on.
+    other numbers cannot leave its words behind. A claim that does not hold goes to stderr
+    (shown in red in Jupyter), with ``why_it_may_not``; in quick mode every claim is marked
+    as such, since tiny runs say little. Nothing is raised: the lesson goes on.
     """
     result = Claim(statement, bool(holds), evidence, why_it_may_not)
     text = str(result) + (" [quick mode: small samples]" if quick_mode() else "")
-    print(text)
-    if not result.holds:
-        print(text, file=sys.stderr)
+    print(text, file=sys.stdout if result.holds else sys.stderr)
     return result
 
 
@@ -249,12 +250,13 @@ def time_batches(model: Any, sizes: Sequence[int], texts: Sequence[str], *, repe
 # ---------------------------------------------------------------- virtual clock
 
 
-def md1_replay_ms(records: pd.DataFrame, service_ms: float) -> np.ndarray:
-    """The latency each request of a naive run would have had on an exact M/D/1 server.
+def md1_replay_ms(records: pd.DataFrame, service_ms: float | Sequence[float]) -> np.ndarray:
+    """The latency each request of a naive run would have had on an exact single-server queue.
 
     The run's own scheduled send times are replayed through the ``naive`` rule on a virtual
-    clock with a constant ``service_ms`` per request: the queueing of *these* arrivals with
-    no noise, to hold the measurement against (the Pollaczek-Khinchine mean is the average
+    clock, each request served in ``service_ms`` (one number: M/D/1; one per request, in
+    schedule order: that request's own service time): the queueing of *these* arrivals
+    with no noise, to hold the measurement against (the Pollaczek-Khinchine mean averages
     over all arrival sequences; one run of a few hundred requests can sit well off it).
     Rows in the order of ``scheduled_s``; warm-up rows included.
     """
@@ -262,7 +264,8 @@ def md1_replay_ms(records: pd.DataFrame, service_ms: float) -> np.ndarray:
     from .strategies import make_strategy
 
     scheduled = np.sort(records["scheduled_s"].to_numpy(dtype=float))
-    return np.asarray(simulate(make_strategy("naive"), scheduled.tolist(), lambda n: service_ms).latencies_ms)
+    costs = iter(np.broadcast_to(np.asarray(service_ms, dtype=float), scheduled.shape).tolist())
+    return np.asarray(simulate(make_strategy("naive"), scheduled.tolist(), lambda n: next(costs)).latencies_ms)
 
 
 def sim_frames(runs: Mapping[str, SimRun], arrivals_s: Sequence[float]) -> tuple[pd.DataFrame, pd.DataFrame]:

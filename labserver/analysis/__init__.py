@@ -16,7 +16,7 @@ from .records import (RUN_KEYS, batch_size_counts, batches, combine, measured, o
                       unpack, window_s)
 from .summary import PERCENTILE_METHOD, PERCENTILES, summarize, summarize_runs, summary_row
 from .sweep import SweepResult, sweep
-from .theory import (capacity_rps, md1_mean_response_ms, mg1_mean_response_ms, mm1_mean_response_ms,
+from .theory import (busy_cycles_ms, capacity_rps, md1_mean_response_ms, mg1_mean_response_ms, mm1_mean_response_ms,
                      mm1_response_quantile_ms, utilization)
 from .tokens import combine_tokens, gen_summary, itl_ms
 
@@ -27,6 +27,7 @@ __all__ = [
     "SweepResult",
     "batch_size_counts",
     "batches",
+    "busy_cycles_ms",
     "capacity_rps",
     "combine",
     "combine_tokens",
