@@ -51,6 +51,9 @@ __all__ = [
     "load_rates",
     "masked_texts",
     "md1_replay_ms",
+    "A100_BERT_BASE_MS",
+    "cost_from_table",
+    "simulated_serving",
     "pick",
     "quick_mode",
     "serve_and_load",
@@ -248,6 +251,52 @@ def time_batches(model: Any, sizes: Sequence[int], texts: Sequence[str], *, repe
 
 
 # ---------------------------------------------------------------- virtual clock
+
+# A GPU's cost curve for a model of the guide's size, to simulate what this CPU cannot show:
+# BERT-Base, sequence length 128, FP16, TensorRT, average latency (ms) per batch size on an
+# NVIDIA A100 (40 GB), from the "Inference performance: NVIDIA A100" table of the README of
+# NVIDIA/TensorRT's demo/BERT. An optimised engine: eager PyTorch adds a per-call overhead.
+A100_BERT_BASE_MS = {1: 0.67, 2: 0.83, 4: 1.02, 8: 1.38, 12: 1.87, 16: 2.18, 24: 3.34, 32: 4.10, 64: 8.05,
+                     128: 16.14}
+
+
+def cost_from_table(table: Mapping[int, float]) -> Any:
+    """A batch cost function (size -> ms) through a table's points, linear in between and past the ends."""
+    sizes = np.array(sorted(table), dtype=float)
+    ms = np.array([table[int(k)] for k in sizes], dtype=float)
+
+    def cost_ms(n: int) -> float:
+        if n <= sizes[-1]:
+            return float(np.interp(n, sizes, ms))
+        slope = (ms[-1] - ms[-2]) / (sizes[-1] - sizes[-2])
+        return float(ms[-1] + slope * (n - sizes[-1]))
+
+    return cost_ms
+
+
+def simulated_serving(cost_ms: Any, strategies: Sequence[str], rates: Sequence[float], *, n: int = 3000,
+                      max_batch_size: int = 32, max_wait_ms: float = 1.0, seed: int = 0) -> pd.DataFrame:
+    """Each strategy's rule on a virtual clock over a cost curve, at each offered Poisson rate.
+
+    No HTTP and no client: only the model's time (``cost_ms(batch size)``) and the rule. One
+    row per (strategy, rate): ``throughput_rps`` (requests over the span from the first
+    arrival to the last answer), latency ``p50_ms``/``p99_ms``/``mean_ms`` and ``mean_batch``.
+    """
+    from .engine.virtual import simulate
+    from .strategies import Limits, make_strategy
+
+    rows = []
+    for rate in rates:
+        arrivals = np.cumsum(np.random.default_rng([seed, round(rate * 1000)]).exponential(1 / rate, n))
+        for name in strategies:
+            run = simulate(make_strategy(name, Limits(max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)),
+                           arrivals.tolist(), cost_ms)
+            end_s = max(b.dispatched_s + b.compute_ms / 1000 for b in run.batches)
+            lat = np.asarray(run.latencies_ms)
+            rows.append({"label": name, "rate": float(rate), "throughput_rps": n / (end_s - arrivals[0]),
+                         "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),
+                         "mean_ms": float(lat.mean()), "mean_batch": float(np.mean(run.sizes))})
+    return pd.DataFrame(rows)
 
 
 def md1_replay_ms(records: pd.DataFrame, service_ms: float | Sequence[float]) -> np.ndarray:
