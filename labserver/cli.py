@@ -107,7 +107,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     def progress(name: str, rate: float, result: Any) -> None:
         s = result.summary()
-        line = f"  {name:>14} @ {rate:>5g}/s: ok {s['n_ok']}/{s['count']}, "
+        line = f"  {name:>14} @ {rate:>5g}/s: ok {s['n_ok']:.0f}/{s['count']:.0f}, "
         if generate:
             line += (f"TTFT p50 {s['ttft_p50_ms']:.0f} ms, p99 {s['ttft_p99_ms']:.0f} ms, "
                      f"{s['token_throughput_tps']:.1f} tokens/s")

@@ -63,3 +63,33 @@ def test_lab_doctests() -> None:
     from labserver import lab
 
     assert doctest.testmod(lab).failed == 0
+
+
+def outputs_text(nb: nbformat.NotebookNode) -> list[str]:
+    """Every line a committed notebook printed (streams and plain-text results)."""
+    lines = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            text = out.get("text") or out.get("data", {}).get("text/plain", "")
+            lines += ("".join(text) if isinstance(text, list) else text).splitlines()
+    return lines
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_states_its_claims_against_its_numbers(path: Path) -> None:
+    """Each lesson checks its words with lab.claim, and the committed run shows every verdict with its reason.
+
+    A claim that did not hold in the committed (full-mode) run must say why it may not; a
+    committed notebook is never a quick-mode run.
+    """
+    nb = nbformat.reads(path.read_text(), as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert "lab.claim(" in code, f"{path.name} checks none of its statements with lab.claim"
+    lines = outputs_text(nb)
+    assert any(line.startswith(("✔ holds here", "✘ DOES NOT HOLD here")) for line in lines), \
+        f"{path.name} is committed without its claims' output: execute it in full mode"
+    assert not any("[quick mode: small samples]" in line for line in lines), \
+        f"{path.name} was committed from a quick-mode run"
+    unexplained = [line for line in lines if line.startswith("✘ DOES NOT HOLD here")
+                   and not re.search(r"why it may not: \S", line)]
+    assert not unexplained, f"{path.name}: claims that failed with no reason given: {unexplained}"

@@ -1,0 +1,60 @@
+"""The words hold on the numbers: the README stays short, and every ratio the docs print is its numbers' ratio.
+
+A ratio in a table is written ``**r** (a vs b ...)``: r must be a / b (to the rounding of the
+three), so a figure copied from one run beside numbers from another, or a median of ratios
+beside two medians, fails here. The main job's reference table in docs/measuring.md must be
+the one its committed results print.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RATIO = re.compile(r"\*\*(?P<r>[0-9]*\.?[0-9]+)\*\* \((?:[a-z ]+ )?(?P<a>[0-9]*\.?[0-9]+)[^()\d]{0,20}? vs "
+                   r"(?P<b>[0-9]*\.?[0-9]+)")
+MAX_README_WORDS = 2000
+
+
+def test_the_readme_is_short() -> None:
+    words = len((ROOT / "README.md").read_text().split())
+    assert words <= MAX_README_WORDS, f"README.md has {words} words; long tables belong in docs/"
+
+
+def test_the_ratio_finder_reads_the_table_format() -> None:
+    found = [m.groupdict() for m in RATIO.finditer("| **1.06** (61.9 vs 58.2 tokens/s) | **0.040** (2.05 vs 50.9 s) |")]
+    assert found == [{"r": "1.06", "a": "61.9", "b": "58.2"}, {"r": "0.040", "a": "2.05", "b": "50.9"}]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_ratio_is_its_numbers_ratio(path: Path) -> None:
+    wrong = []
+    for m in RATIO.finditer(path.read_text()):
+        r, a, b = (float(m[k]) for k in ("r", "a", "b"))
+        if b and abs(r - a / b) > 0.015 * max(r, a / b) + 0.006:  # each figure is rounded to what it shows
+            wrong.append(f"{m.group(0)}: {a} / {b} = {a / b:.3f}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_reference_table_is_the_committed_run() -> None:
+    from labserver.experiments.compare import table
+
+    summary = pd.read_csv(ROOT / "results" / "reference" / "summary.csv")
+    printed = table(summary).strip()
+    assert printed in (ROOT / "docs" / "measuring.md").read_text(), \
+        "docs/measuring.md must show `labserver compare --out results/reference`'s own table"
+
+
+def test_the_generation_figures_are_in_the_run_they_cite() -> None:
+    """Every pair of numbers in benchmarks/README.md's genperf table is in results/genperf/cpu.txt."""
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    section = text[text.index("## Generation: `genperf.py`"):text.index("## The load generator's ceiling")]
+    printed = (ROOT / "results" / "genperf" / "cpu.txt").read_text()
+    missing = [f"{m['a']} vs {m['b']}" for m in RATIO.finditer(section)
+               if not re.search(rf"\b{re.escape(m['a'])}\d* vs {re.escape(m['b'])}", printed)]
+    assert not missing, f"not in results/genperf/cpu.txt: {missing}"
