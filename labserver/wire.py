@@ -62,3 +62,17 @@ SSE_DONE = b"event: done\n"
 SSE_ERROR = b"event: error\n"
 # "timing" in the JSON answer and in the done event (server clock, ms from the handler's start):
 TIMING_FIELDS = ("queue_ms", "ttft_ms", "server_ms", "steps", "mean_step_batch")
+
+# -- the OpenAI-compatible API: /v1/* ----------------------------------------------------
+# The same engines behind the paths and shapes the `openai` SDK, vLLM's `bench serve` and
+# guidellm speak (docs/openai.md). A stream is server-sent events without event names:
+#   data: {chunk}\n\n ... [data: {chunk with "choices": [] and "usage"}\n\n] data: [DONE]\n\n
+# and a failure after the first chunk is  data: {"error": {...}}\n\n  then  data: [DONE]\n\n.
+# Errors are {"error": {"message", "type", "param", "code"}} with the statuses of ERROR_TYPES.
+V1_MODELS_PATH = "/v1/models"
+V1_COMPLETIONS_PATH = "/v1/completions"
+V1_CHAT_PATH = "/v1/chat/completions"
+V1_EMBEDDINGS_PATH = "/v1/embeddings"
+SSE_DATA = b"data: "
+SSE_DATA_DONE = b"data: [DONE]\n\n"
+HEADER_IGNORED_FIELDS = "x-ignored-fields"  # request fields accepted but not used, comma-separated

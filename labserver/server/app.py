@@ -3,7 +3,7 @@
 ``create_app(config)`` builds the app around a ``Runtime`` (``labserver.server.runtime``:
 the model loads in the background at startup, ``/health`` says 503 until it is ready,
 or for good if loading failed). The routes live beside this module: ``encode`` (``/``,
-``/predict``) and ``generate`` (``/generate``), all answered through
+``/predict``), ``generate`` (``/generate``) and ``openai`` (``/v1/*``), all answered through
 ``handling.answer``, so every request gets exactly one response: the output, or a JSON
 error ``{"error": {"type", "message", "request_id"}}``. Here: ``/health``, ``/stats``,
 ``/metrics``, and the errors outside the inference path (404, 405, a bug).
@@ -34,6 +34,7 @@ from .encode import post_predict, post_root
 from .generate import post_generate
 from .handling import error_response
 from .metrics import attach_metrics, metrics_response
+from .openai import openai_error, routes as openai_routes
 from .runtime import Runtime
 
 logger = logging.getLogger(__name__)
@@ -105,6 +106,9 @@ async def http_error(request: Request, exc: Exception) -> Response:
     rt: Runtime = request.app.state.runtime
     assert isinstance(exc, HTTPException)
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
+    if request.url.path.startswith("/v1/"):  # OpenAI's clients parse their own error shape
+        return openai_error(rt, kind, f"{request.method} {request.url.path}: {exc.detail}", rt.request_id(),
+                            headers=dict(exc.headers or {}))
     return error_response(rt, kind, f"{request.method} {request.url.path}: {exc.detail}", rt.request_id(),
                           headers=dict(exc.headers or {}))
 
@@ -112,6 +116,8 @@ async def http_error(request: Request, exc: Exception) -> Response:
 async def internal_error(request: Request, exc: Exception) -> Response:
     rt: Runtime = request.app.state.runtime
     logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    if request.url.path.startswith("/v1/"):
+        return openai_error(rt, "internal", "internal server error", rt.request_id())
     return error_response(rt, "internal", "internal server error", rt.request_id(), exc=exc)
 
 
@@ -135,6 +141,7 @@ def create_app(config: ServerConfig | None = None, model: Model | GenModel | Non
             Route("/", post_root, methods=["POST"]),
             Route("/predict", post_predict, methods=["POST"]),
             Route(wire.GENERATE_PATH, post_generate, methods=["POST"]),
+            *openai_routes(),
             Route("/health", health, methods=["GET"]),
             Route("/stats", stats, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

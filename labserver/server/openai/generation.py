@@ -1,0 +1,232 @@
+"""``POST /v1/completions`` and ``POST /v1/chat/completions``: the step engine behind OpenAI's shapes.
+
+The same engine and strategy as ``POST /generate``, and the same way of waiting: one
+sequence per prompt is queued, the handler waits for its first token, the client
+leaving, or the deadline (``generate.wait_first_token``), so every failure before the
+first token is an ordinary error with its status, in OpenAI's shape
+(``openai.errors``). Then either one JSON answer, or a stream as the clients parse it:
+
+    data: {chunk}              one per step that made text (chat: the first delta carries the role)
+    data: {chunk, choices: []} with stream_options.include_usage: the usage
+    data: [DONE]
+
+A failure after the first chunk ends the stream with ``data: {"error": {...}}`` and
+``[DONE]``; a client that leaves mid-stream cancels its sequences, which the engine
+drops at the next step, as on ``/generate``. Text is built by ``openai.text.TextStream``
+(stop strings cut, nothing of one streamed). Request fields: ``openai.params``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from ... import wire
+from ...engine import Seq, StepEngine
+from ...models import GenModel
+from ..generate import wait_all, wait_first_token
+from ..handling import ClientError, FastJSON, answer, describe, log_failure
+from ..runtime import Runtime
+from .catalog import check_model, served_name
+from .errors import openai_error_body, openai_failure
+from .params import COMPLETION_DEFAULT_MAX_TOKENS, GenRequest, parse_request
+from .text import TextStream
+
+__all__ = ["post_chat", "post_completions"]
+
+_FINISH = {"length": "length", "eos": "stop", "stop": "stop"}  # engine's reason -> OpenAI's
+
+
+@dataclass
+class _Reply:
+    """What every chunk and the answer of one request share."""
+
+    req: GenRequest
+    rid: str
+    model: str
+    created: int  # unix s
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.req.chat else "text_completion"
+
+    def head(self, chunk: bool) -> dict[str, Any]:
+        prefix = "chatcmpl-" if self.req.chat else "cmpl-"
+        kind = self.object + (".chunk" if chunk and self.req.chat else "")
+        return {"id": prefix + self.rid, "object": kind, "created": self.created, "model": self.model}
+
+    def choice(self, index: int, text: str, finish: str | None, *, first: bool = False,
+               stop_reason: str | None = None) -> dict[str, Any]:
+        if not self.req.chat:
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish,
+                    "stop_reason": stop_reason}
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        doc = {**self.head(True), "choices": choices}
+        if self.req.include_usage:
+            doc["usage"] = usage
+        return wire.SSE_DATA + orjson.dumps(doc) + b"\n\n"
+
+
+def usage(seqs: list[Seq]) -> dict[str, Any]:
+    prompt = sum(len(s.prompt_ids) for s in seqs)
+    completion = sum(len(s.tokens) for s in seqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in seqs)}}
+
+
+def finish_reason(seq: Seq, text: TextStream) -> str:
+    return "stop" if text.stopped else _FINISH.get(seq.finish_reason or "", "stop")
+
+
+def chat_template(model: GenModel) -> Callable[[list[dict[str, str]]], str] | None:
+    """The tokenizer's own chat template when the model has one (else ``params.render_chat``)."""
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    return lambda messages: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _engine(rt: Runtime) -> StepEngine:
+    if not isinstance(rt.engine, StepEngine):
+        raise ClientError("bad_request", f"this server runs the encoder strategy {rt.strategy.name}: it answers "
+                                         f"{wire.V1_EMBEDDINGS_PATH}; completions need a gen-* strategy")
+    return rt.engine
+
+
+def _check_strategy(rt: Runtime, req: GenRequest) -> None:
+    """gen-hf-cb hands token ids to transformers' manager, which decodes greedily to EOS or the limit."""
+    if getattr(rt.strategy, "scheduler", "labserver") != "transformers":
+        return
+    for name, asked in (("temperature", req.sampling is not None), ("stop", bool(req.stop)),
+                        ("min_tokens", req.min_tokens > 0)):
+        if asked:
+            raise ClientError("bad_request", f'"{name}": {rt.strategy.name} runs transformers\' continuous batching '
+                                             "manager, which decodes greedily to EOS or max_tokens; serve with "
+                                             "gen-continuous for sampling, stop strings and min_tokens", name)
+
+
+async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float, *, chat: bool) -> Response:
+    engine = _engine(rt)
+    model: GenModel = rt.model  # type: ignore[assignment]
+    cfg = rt.config
+    req = parse_request(body, chat=chat, max_chars=cfg.max_chars, max_tokens_cap=cfg.max_new_tokens,
+                        max_prompts=cfg.max_inputs, template=chat_template(model) if chat else None)
+    check_model(rt, req.model)
+    _check_strategy(rt, req)
+    prompts = [model.encode(p) for p in req.prompts]  # InputRejected: 400
+    seqs: list[Seq] = []
+    try:
+        for ids in prompts:
+            room = max(1, model.max_context - len(ids))
+            default = COMPLETION_DEFAULT_MAX_TOKENS if not chat else room
+            limit = req.max_tokens or min(default, room, cfg.max_new_tokens)
+            seqs.append(engine.submit(ids, limit, ignore_eos=req.ignore_eos, request_id=rid, sampling=req.sampling,
+                                      stop=req.stop, min_tokens=req.min_tokens))
+        for seq in seqs:
+            await wait_first_token(rt, request, seq, t0)
+    except BaseException:
+        for seq in seqs:
+            seq.future.cancel()  # the ones queued are never prefilled; the running ones leave at the next step
+        raise
+    reply = _Reply(req, rid, served_name(rt), int(time.time()))
+    headers = {wire.HEADER_REQUEST_ID: rid,
+               wire.HEADER_QUEUE_MS: f"{(seqs[0].admitted_s - seqs[0].enqueued_s) * 1000:.3f}"}
+    if req.ignored:
+        headers[wire.HEADER_IGNORED_FIELDS] = ", ".join(req.ignored)
+    if req.stream:
+        return StreamingResponse(_stream(rt, reply, seqs, t0), media_type="text/event-stream",
+                                 headers={**headers, "cache-control": "no-cache"})
+    for seq in seqs:
+        await wait_all(request, seq)
+    texts = [TextStream(model.text, req.stop) for _ in seqs]
+    choices = []
+    for i, (seq, text) in enumerate(zip(seqs, texts)):
+        piece = text.push(seq.tokens, True)
+        reason = finish_reason(seq, text)
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": piece}, "logprobs": None,
+                            "finish_reason": reason})
+        else:
+            choices.append(reply.choice(i, piece, reason, stop_reason=_stop_reason(seq, text, req)))
+    now = time.perf_counter()
+    rt.answered(now - t0)
+    return FastJSON({**reply.head(False), "choices": choices, "usage": usage(seqs)},
+                    headers={**headers, wire.HEADER_SERVER_MS: f"{(now - t0) * 1000:.3f}"})
+
+
+def _stop_reason(seq: Seq, text: TextStream, req: GenRequest) -> str | None:
+    """vLLM's ``stop_reason``: the stop string that ended it, if one did."""
+    if not (text.stopped or seq.finish_reason == "stop"):
+        return None
+    return next((s for s in req.stop if s in text.decode(seq.tokens)), None)
+
+
+async def _stream(rt: Runtime, reply: _Reply, seqs: list[Seq], t0: float) -> AsyncIterator[bytes]:
+    """Chunks as the engine makes tokens (every choice's new text of a step in one write), then usage and [DONE]."""
+    model: GenModel = rt.model  # type: ignore[assignment]
+    texts = [TextStream(model.text, reply.req.stop) for _ in seqs]
+    open_ = set(range(len(seqs)))  # choices not yet finished
+    first, answered = True, False
+    try:
+        while open_:
+            failed = next((s for s in seqs if s.future.done() and not s.future.cancelled()
+                           and s.future.exception() is not None), None)
+            if failed is not None:
+                yield _failure(rt, reply.rid, failed.future.exception())  # type: ignore[arg-type]
+                answered = True
+                return
+            choices = []
+            for i in sorted(open_):
+                seq, text = seqs[i], texts[i]
+                ended = seq.future.done() and not seq.future.cancelled()
+                piece = text.push(seq.tokens, ended)
+                if text.stopped and not ended:
+                    seq.future.cancel()  # the text shows a stop string: this one is done, free its place
+                    ended = True
+                reason = finish_reason(seq, text) if ended else None
+                if piece or reason or (first and reply.req.chat):
+                    choices.append(reply.choice(i, piece, reason, first=first,
+                                                stop_reason=_stop_reason(seq, text, reply.req) if reason else None))
+                if ended:
+                    open_.discard(i)
+            if choices:
+                first = False
+                yield reply.chunk(choices)
+            if open_:
+                waits = {f for i in open_ for f in (seqs[i].next_change(), seqs[i].future)}
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        answered = True
+        rt.answered(time.perf_counter() - t0)
+        tail = reply.chunk([], usage(seqs)) if reply.req.include_usage else b""
+        yield tail + wire.SSE_DATA_DONE
+    finally:
+        for seq in seqs:
+            seq.future.cancel()  # a no-op once answered; a client that left mid-stream frees its place
+        if not answered:
+            rt.statuses[499] += 1  # it began as a 200, but its client left: one outcome, counted once
+
+
+def _failure(rt: Runtime, rid: str, error: BaseException) -> bytes:
+    """The error event that ends a stream after its first chunk (counted as the status it would have had)."""
+    log_failure(rid, error)
+    kind, message, _ = describe(error)
+    rt.statuses[wire.ERROR_TYPES[kind]] += 1
+    return wire.SSE_DATA + orjson.dumps(openai_error_body(kind, message)) + b"\n\n" + wire.SSE_DATA_DONE
+
+
+async def post_completions(request: Request) -> Response:
+    return await answer(request, lambda *a: _work(*a, chat=False), openai_failure)
+
+
+async def post_chat(request: Request) -> Response:
+    return await answer(request, lambda *a: _work(*a, chat=True), openai_failure)

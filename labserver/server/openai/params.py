@@ -1,0 +1,228 @@
+"""Reading an OpenAI completions or chat request: what is honoured, what is refused, what is ignored.
+
+Three kinds of field, as the benchmark clients need them to be (they send fields a
+server may not use, and break on a server that rejects them):
+
+- honoured: ``model``, ``prompt`` (a string or a list of strings) / ``messages``,
+  ``max_tokens`` (chat: ``max_completion_tokens`` first), ``stream``,
+  ``stream_options.include_usage``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+  ``n`` = 1, and vLLM's ``ignore_eos`` and ``min_tokens``;
+- refused with a 400 that says why: a value that asks for what this server cannot do
+  (``n`` > 1, ``best_of`` > 1, ``logprobs``, ``echo``, ``suffix``, ``logit_bias``, tools,
+  a structured ``response_format``, token-id prompts, images);
+- ignored: everything else (``user``, ``frequency_penalty``, ``presence_penalty``,
+  ``repetition_penalty``, ``top_k`` ...): accepted, and named in the answer's
+  ``x-ignored-fields`` header and once in the log.
+
+``temperature`` left out means greedy here (OpenAI's own default is 1; transformers'
+generation config for these models does not sample). Messages become one prompt
+through the tokenizer's chat template when the model has one, else through
+``CHAT_TEMPLATE`` (``"{role}: {content}\\n"`` per message, then ``"assistant:"``).
+
+Nothing here touches the engine: ``parse_request`` returns a ``GenRequest``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...models import Sampling
+from ..handling import ClientError, check_text, parse_json
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CHAT_TEMPLATE", "COMPLETION_DEFAULT_MAX_TOKENS", "GenRequest", "parse_request", "render_chat"]
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_TEMPLATE = "{role}: {content}\n"  # per message; the prompt then ends with "assistant:"
+MAX_STOPS = 16
+
+_COMMON = {"model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "n",
+           "ignore_eos", "min_tokens", "logprobs", "logit_bias", "best_of", "response_format"}
+_USED = {False: _COMMON | {"prompt", "echo", "suffix"},
+         True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
+                          "function_call"}}
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_warned: set[str] = set()  # ignored field names already logged, once each per process
+
+
+@dataclass
+class GenRequest:
+    """One completions or chat request, checked."""
+
+    chat: bool
+    prompts: list[str]  # one per choice (chat: the rendered conversation)
+    model: str | None = None  # None: whatever this server serves
+    max_tokens: int | None = None  # None: the default of the route
+    stream: bool = False
+    include_usage: bool = False
+    sampling: Sampling | None = None  # None: greedy
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    ignored: list[str] = field(default_factory=list)  # fields accepted but not used
+
+
+def _refuse(message: str, param: str | None) -> ClientError:
+    return ClientError("bad_request", message, param)
+
+
+def _typed(doc: dict[str, Any], name: str, kinds: type | tuple[type, ...], what: str) -> Any:
+    """``doc[name]`` if present and not null, checked against ``kinds`` (bool is not a number here)."""
+    value = doc.get(name)
+    if value is None:
+        return None
+    numeric = kinds in (int, float) or kinds == (int, float)
+    if not isinstance(value, kinds) or (numeric and isinstance(value, bool)):
+        raise _refuse(f'"{name}" must be {what}, got {type(value).__name__}', name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _refuse(f'"{name}" must be a finite number', name)
+    return value
+
+
+def parse_request(body: bytes, *, chat: bool, max_chars: int, max_tokens_cap: int, max_prompts: int,
+                  template: Any = None) -> GenRequest:
+    """The request's fields, checked. ``template(messages) -> str`` renders a chat (default ``render_chat``)."""
+    example = ('{"model": "...", "messages": [{"role": "user", "content": "Hello"}]}' if chat
+               else '{"model": "...", "prompt": "Once upon a time", "max_tokens": 16}')
+    doc = parse_json(body, example)
+    if not isinstance(doc, dict):
+        raise _refuse(f"expected a JSON object, e.g. {example}", None)
+    _refuse_unhonourable(doc, chat)
+    req = GenRequest(chat=chat, prompts=[])
+    req.model = _typed(doc, "model", str, "a string")
+    if chat:
+        messages = doc.get("messages")
+        req.prompts = [(template or render_chat)(_messages(messages))]
+    else:
+        req.prompts = _prompts(doc.get("prompt"), max_prompts)
+    for i, prompt in enumerate(req.prompts):
+        check_text('"messages"' if chat else ('"prompt"' if len(req.prompts) == 1 else f'"prompt"[{i}]'),
+                   prompt, max_chars)
+    limit = _typed(doc, "max_completion_tokens", int, "an integer") if chat else None
+    name = "max_completion_tokens" if limit is not None else "max_tokens"
+    limit = limit if limit is not None else _typed(doc, "max_tokens", int, "an integer")
+    if limit is not None and not 1 <= limit <= max_tokens_cap:
+        raise _refuse(f'"{name}" must be between 1 and {max_tokens_cap} (the server\'s cap), got {limit}', name)
+    req.max_tokens = limit
+    req.stream = bool(_typed(doc, "stream", bool, "true or false"))
+    options = _typed(doc, "stream_options", dict, "an object")
+    if options is not None:
+        req.include_usage = bool(_typed(options, "include_usage", bool, "true or false"))
+        req.ignored += [f"stream_options.{k}" for k in sorted(set(options) - {"include_usage"})]
+    req.sampling = _sampling(doc)
+    req.stop = _stops(doc.get("stop"))
+    req.ignore_eos = bool(_typed(doc, "ignore_eos", bool, "true or false"))
+    req.min_tokens = _typed(doc, "min_tokens", int, "an integer") or 0
+    if req.min_tokens < 0 or (limit is not None and req.min_tokens > limit):
+        raise _refuse(f'"min_tokens" must be between 0 and {name} ({limit}), got {req.min_tokens}', "min_tokens")
+    req.ignored = sorted(set(doc) - _USED[chat]) + req.ignored
+    if req.ignored:
+        new = [f for f in req.ignored if f not in _warned]
+        if new:
+            _warned.update(new)
+            logger.warning("accepted and ignored request field(s) %s (named in %s from now on)", new,
+                           "the x-ignored-fields header")
+    return req
+
+
+def _refuse_unhonourable(doc: dict[str, Any], chat: bool) -> None:
+    """A 400 for every field whose value asks for what this server cannot do."""
+    n = _typed(doc, "n", int, "an integer")
+    if n is not None and n != 1:
+        raise _refuse(f'"n" must be 1 here (got {n}): one choice per prompt; send the request n times', "n")
+    best_of = _typed(doc, "best_of", int, "an integer")
+    if best_of is not None and best_of != 1:
+        raise _refuse(f'"best_of" must be 1 here (got {best_of})', "best_of")
+    logprobs = doc.get("logprobs")
+    if logprobs not in (None, False):
+        raise _refuse("logprobs are not computed by this server; leave out \"logprobs\"", "logprobs")
+    if doc.get("top_logprobs") not in (None, 0):
+        raise _refuse("logprobs are not computed by this server; leave out \"top_logprobs\"", "top_logprobs")
+    if doc.get("echo") not in (None, False):
+        raise _refuse('"echo" is not supported: the answer holds the completion only', "echo")
+    if doc.get("suffix") not in (None, ""):
+        raise _refuse('"suffix" (insertion) is not supported', "suffix")
+    if doc.get("logit_bias") not in (None, {}):
+        raise _refuse('"logit_bias" is not supported; leave it out or send {}', "logit_bias")
+    for name in ("tools", "functions"):
+        if doc.get(name) not in (None, []):
+            raise _refuse(f'"{name}": this server does not call tools or functions', name)
+    for name in ("tool_choice", "function_call"):
+        if doc.get(name) not in (None, "none"):
+            raise _refuse(f'"{name}": this server does not call tools or functions', name)
+    fmt = doc.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
+        raise _refuse('"response_format": only {"type": "text"} is supported (no JSON mode or schema)',
+                      "response_format")
+
+
+def _prompts(prompt: Any, max_prompts: int) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) > max_prompts:
+            raise _refuse(f"{len(prompt)} prompts is over the limit of {max_prompts} per request", "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
+        raise _refuse("token-id prompts are not supported; send the prompt as text", "prompt")
+    raise _refuse('"prompt" must be a string or a non-empty list of strings', "prompt")
+
+
+def _messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise _refuse('"messages" must be a non-empty list of {"role": ..., "content": ...}', "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _refuse(f'"messages"[{i}] must be an object with a "role" and a "content"', "messages")
+        if m["role"] not in _ROLES:
+            raise _refuse(f'"messages"[{i}]: unknown role {m["role"]!r}; use one of {", ".join(_ROLES)}', "messages")
+        out.append({"role": m["role"], "content": _content(m.get("content"), i)})
+    return out
+
+
+def _content(content: Any, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise _refuse(f'"messages"[{i}]: content part {kind!r} is not supported (text only)', "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _refuse(f'"messages"[{i}]["content"] must be a string or a list of text parts', "messages")
+
+
+def render_chat(messages: list[dict[str, str]]) -> str:
+    """``CHAT_TEMPLATE`` for models without a chat template of their own."""
+    return "".join(CHAT_TEMPLATE.format(**m) for m in messages) + "assistant:"
+
+
+def _sampling(doc: dict[str, Any]) -> Sampling | None:
+    temperature = _typed(doc, "temperature", (int, float), "a number")
+    top_p = _typed(doc, "top_p", (int, float), "a number")
+    seed = _typed(doc, "seed", int, "an integer")
+    if temperature is not None and not 0 <= temperature <= 2:
+        raise _refuse(f'"temperature" must be between 0 and 2, got {temperature}', "temperature")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise _refuse(f'"top_p" must be in (0, 1], got {top_p}', "top_p")
+    if not temperature:  # greedy: top_p and seed change nothing
+        return None
+    return Sampling(temperature=float(temperature), top_p=float(1.0 if top_p is None else top_p), seed=seed)
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise _refuse('"stop" must be a non-empty string or a list of them', "stop")
+    if len(stops) > MAX_STOPS:
+        raise _refuse(f'"stop" has {len(stops)} strings, over the limit of {MAX_STOPS}', "stop")
+    return tuple(stops)
