@@ -1,0 +1,325 @@
+"""The /v1 routes on the wire: exact stream framing, fields accepted, refused and ignored, every error path.
+
+Most tests run a real uvicorn server on a loopback socket with a synthetic generator
+(known tokens, no compute); ``TextStream`` and ``parse_request`` are also tested alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+import labserver
+from labserver import wire
+from labserver.models import SyntheticGen
+from labserver.server.handling import ClientError
+from labserver.server.openai.params import parse_request, render_chat
+from labserver.server.openai.text import TextStream
+
+from .fakes import SteppedGen
+from .test_server import wait_until
+
+NAME = "synthetic-gen:1+0.5"
+
+
+@pytest.fixture(scope="module")
+def gen() -> Iterator[labserver.ServerHandle]:
+    with labserver.serve("gen-continuous", SyntheticGen(1, 0.5, max_context=64), max_batch_size=8,
+                         max_body_bytes=4096, max_new_tokens=40) as h:
+        yield h
+
+
+@pytest.fixture
+def stepped() -> Iterator[tuple[labserver.ServerHandle, SteppedGen]]:
+    model = SteppedGen()
+    with labserver.serve("gen-continuous", model, max_batch_size=4, max_queue=2, timeout_ms=300) as h:
+        yield h, model
+        model.allow(10_000)
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str, param: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == code and body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param
+    assert "Traceback" not in r.text and r.headers[wire.HEADER_REQUEST_ID]
+    return body["error"]
+
+
+def raw_stream(url: str, path: str, body: dict[str, Any]) -> tuple[httpx.Response, bytes]:
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=30) as r:
+        r.read()
+        return r, r.content
+
+
+def chunks(raw: bytes) -> list[Any]:
+    """Every event of an OpenAI stream, checked for the exact framing: ``data: ...`` and a blank line."""
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]", raw[-200:]
+    out = []
+    for event in events[:-2]:
+        assert event.startswith(b"data: ") and b"\n" not in event, event
+        out.append(json.loads(event[6:]))
+    return out
+
+
+# -- the stream, exactly ------------------------------------------------------------------------
+
+def test_completion_stream_framing_and_usage(gen: labserver.ServerHandle) -> None:
+    r, raw = raw_stream(gen.url, wire.V1_COMPLETIONS_PATH, {"model": NAME, "prompt": "one two three",
+                                                            "max_tokens": 6, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    evs = chunks(raw)
+    assert len(evs) == 7  # one per token, then the usage
+    assert all(e["object"] == "text_completion" and e["model"] == NAME and e["id"] == evs[0]["id"] for e in evs)
+    assert all(e["usage"] is None for e in evs[:-1]) and evs[-1]["choices"] == []
+    assert evs[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9,
+                                "prompt_tokens_details": {"cached_tokens": 0}}
+    assert [e["choices"][0]["finish_reason"] for e in evs[:-1]] == [None] * 5 + ["length"]
+    whole = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "one two three", "max_tokens": 6}).json()
+    assert "".join(e["choices"][0]["text"] for e in evs[:-1]) == whole["choices"][0]["text"]
+
+
+def test_chat_stream_first_delta_carries_the_role(gen: labserver.ServerHandle) -> None:
+    _, raw = raw_stream(gen.url, wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 3})
+    evs = chunks(raw)
+    assert [e["object"] for e in evs] == ["chat.completion.chunk"] * 3 and "usage" not in evs[0]
+    assert evs[0]["choices"][0]["delta"]["role"] == "assistant" and evs[0]["choices"][0]["delta"]["content"]
+    assert all(set(e["choices"][0]["delta"]) == {"content"} for e in evs[1:])
+
+
+def test_several_prompts_are_several_choices(gen: labserver.ServerHandle) -> None:
+    body = {"prompt": ["a b", "c d e", "f"], "max_tokens": 4}
+    whole = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json=body).json()
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert whole["usage"]["prompt_tokens"] == 6 and whole["usage"]["completion_tokens"] == 12
+    _, raw = raw_stream(gen.url, wire.V1_COMPLETIONS_PATH, body)
+    texts = ["", "", ""]
+    for e in chunks(raw):
+        for c in e["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == [c["text"] for c in whole["choices"]]
+
+
+def test_min_tokens_and_ignore_eos() -> None:
+    with labserver.serve("gen-continuous", SyntheticGen(0, 0, eos_after=2)) as h:
+        def n(**extra: Any) -> tuple[int, str]:
+            body = httpx.post(h.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "x y", "max_tokens": 9, **extra}).json()
+            return body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
+
+        assert n() == (2, "stop")  # EOS ends it: OpenAI's "stop"
+        assert n(min_tokens=5)[0] >= 5
+        assert n(ignore_eos=True) == (9, "length")
+
+
+# -- fields: accepted, refused, ignored ----------------------------------------------------------
+
+def test_ignored_fields_are_accepted_named_and_logged(gen: labserver.ServerHandle,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    body = {"prompt": "x", "max_tokens": 2, "user": "u", "repetition_penalty": 1.1, "top_k": -1,
+            "presence_penalty": 0, "logprobs": None, "a_field_from_the_future": 1,
+            "stream_options": {"continuous_usage_stats": True, "include_usage": False}}
+    with caplog.at_level(logging.WARNING, logger="labserver.server.openai.params"):
+        r = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json=body)
+        again = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json=body)
+    assert r.status_code == again.status_code == 200
+    assert r.headers[wire.HEADER_IGNORED_FIELDS] == ("a_field_from_the_future, presence_penalty, repetition_penalty, "
+                                                     "top_k, user, stream_options.continuous_usage_stats")
+    assert caplog.text.count("a_field_from_the_future") == 1  # in the log once, in every answer's header
+    plain = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "x", "max_tokens": 2})
+    assert wire.HEADER_IGNORED_FIELDS not in plain.headers
+
+
+@pytest.mark.parametrize("path, body, param, fragment", [
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "n": 3}, "n", "must be 1"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "best_of": 2}, "best_of", "best_of"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "logprobs": 1}, "logprobs", "logprobs"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "echo": True}, "echo", "echo"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": [1, 2, 3]}, "prompt", "token-id"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "max_tokens": 0}, "max_tokens", "between 1 and 40"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "max_tokens": 41}, "max_tokens", "cap"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "temperature": "hot"}, "temperature", "number"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "temperature": 3}, "temperature", "between 0 and 2"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "top_p": 0}, "top_p", "top_p"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "stop": [1]}, "stop", "stop"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "max_tokens": 5, "min_tokens": 6}, "min_tokens", "min_tokens"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "   "}, None, "empty"),
+    (wire.V1_COMPLETIONS_PATH, {}, "prompt", "prompt"),
+    (wire.V1_CHAT_PATH, {"messages": []}, "messages", "non-empty"),
+    (wire.V1_CHAT_PATH, {"messages": [{"role": "wizard", "content": "x"}]}, "messages", "role"),
+    (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "text"),
+    (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", ""),
+    (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools", "tools"),
+    (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}],
+                         "response_format": {"type": "json_object"}}, "response_format", "JSON"),
+])
+def test_values_that_cannot_be_honoured_are_400(gen: labserver.ServerHandle, path: str, body: dict[str, Any],
+                                                param: str | None, fragment: str) -> None:
+    err = assert_openai_error(httpx.post(gen.url + path, json=body), 400, "bad_request", param)
+    assert fragment in err["message"] and err["type"] == "invalid_request_error"
+    assert httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "still here"}).status_code == 200
+
+
+def test_malformed_bodies_and_limits(gen: labserver.ServerHandle) -> None:
+    assert_openai_error(httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, content=b"{nope"), 400, "bad_request")
+    assert_openai_error(httpx.post(gen.url + wire.V1_CHAT_PATH, content=b"[]"), 400, "bad_request")
+    assert_openai_error(httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "x" * 5000}), 413,
+                        "payload_too_large")
+    assert_openai_error(httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "w " * 70}), 400,
+                        "bad_request")  # over the model's 64 tokens
+    err = assert_openai_error(httpx.get(gen.url + "/v1/nothing"), 404, "not_found")
+    assert err["type"] == "not_found_error"
+    assert_openai_error(httpx.get(gen.url + wire.V1_COMPLETIONS_PATH), 405, "method_not_allowed")
+    native = httpx.get(gen.url + "/nothing").json()  # the native routes keep their shape
+    assert native["error"]["type"] == "not_found" and "request_id" in native["error"]
+
+
+def test_unknown_model_is_404_and_the_wrong_kind_is_400(gen: labserver.ServerHandle) -> None:
+    err = assert_openai_error(httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"model": "gpt-4", "prompt": "x"}),
+                              404, "model_not_found", "model")
+    assert NAME in err["message"]
+    err = assert_openai_error(httpx.post(gen.url + wire.V1_EMBEDDINGS_PATH, json={"input": "x"}), 400, "bad_request")
+    assert wire.V1_COMPLETIONS_PATH in err["message"]
+    with labserver.serve("thread", "echo") as enc:
+        err = assert_openai_error(httpx.post(enc.url + wire.V1_CHAT_PATH, json={
+            "messages": [{"role": "user", "content": "x"}]}), 400, "bad_request")
+        assert wire.V1_EMBEDDINGS_PATH in err["message"]
+        err = assert_openai_error(httpx.post(enc.url + wire.V1_EMBEDDINGS_PATH, json={"input": "x"}), 400,
+                                  "bad_request", "model")
+        assert "embeddings" in err["message"]  # echo computes no vectors
+        assert httpx.get(enc.url + wire.V1_MODELS_PATH).json()["data"][0]["kind"] == "encode"
+
+
+# -- waiting, overload, deadlines, clients that leave ------------------------------------------------
+
+def test_queue_cap_503_and_deadline_504(stepped: tuple[labserver.ServerHandle, SteppedGen]) -> None:
+    h, model = stepped
+    url = h.url + wire.V1_COMPLETIONS_PATH
+    first: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: first.update(r=httpx.post(url, json={"prompt": "holds", "max_tokens": 3},
+                                                                  timeout=30)))
+    t.start()
+    model.wait_entered()
+    answers: list[httpx.Response] = []
+    waiting = [threading.Thread(target=lambda: answers.append(httpx.post(url, json={"prompt": "q"}, timeout=30)))
+               for _ in range(2)]
+    for w in waiting:
+        w.start()
+    wait_until(lambda: h.stats()["queue_depth"] == 2)
+    r = httpx.post(url, json={"prompt": "no room"})
+    err = assert_openai_error(r, 503, "overloaded")
+    assert r.headers["retry-after"] == "1" and err["type"] == "service_unavailable_error"
+    for w in waiting:
+        w.join(30)
+    for a in answers:
+        assert assert_openai_error(a, 504, "timeout")["type"] == "timeout_error"
+    model.allow(10)
+    t.join(30)
+    assert first["r"].json()["usage"]["completion_tokens"] == 3
+
+
+def test_client_leaving_mid_stream_frees_its_place(stepped: tuple[labserver.ServerHandle, SteppedGen]) -> None:
+    h, model = stepped
+    received = 0
+    with httpx.stream("POST", h.url + wire.V1_CHAT_PATH, json={
+            "messages": [{"role": "user", "content": "leaves early"}], "max_tokens": 500, "stream": True},
+            timeout=30) as r:
+        lines = r.iter_lines()
+        while received < 3:
+            if next(lines).startswith("data: {"):
+                received += 1
+                model.allow()
+    engine = h.runtime.engine
+    wait_until(lambda: all(s.future.done() for s in engine.running.seqs))
+    n_begun = len([1 for kind, _ in model.calls if kind == "decode"]) + 1
+    model.allow(20)
+    other = httpx.post(h.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "after", "max_tokens": 4}, timeout=30)
+    assert other.status_code == 200
+    decodes = [ids for kind, ids in model.calls if kind == "decode"]
+    assert decodes[n_begun:] and all(1 not in ids for ids in decodes[n_begun:])
+    wait_until(lambda: h.stats()["left_while_generating"] == 1)
+    assert model.cached == 0 and h.stats()["statuses"]["499"] == 1
+
+
+def test_gen_hf_cb_refuses_sampling_it_cannot_do() -> None:
+    with labserver.serve("gen-hf-cb", "gpt2-tiny-random", device="cpu", max_batch_size=2, max_kv_tokens=1024) as h:
+        url = h.url + wire.V1_COMPLETIONS_PATH
+        err = assert_openai_error(httpx.post(url, json={"prompt": "x", "temperature": 0.7}), 400, "bad_request",
+                                  "temperature")
+        assert "greedily" in err["message"] and "gen-continuous" in err["message"]
+        assert_openai_error(httpx.post(url, json={"prompt": "x", "stop": "a"}), 400, "bad_request", "stop")
+        ok = httpx.post(url, json={"prompt": "x y", "max_tokens": 3, "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+# -- the parts alone ---------------------------------------------------------------------------------
+
+def wordpiece(tokens: list[int]) -> str:
+    """A decoder where token 1 is a word piece ("##ly") that joins the word before it; 0 decodes to nothing."""
+    words = []
+    for t in tokens:
+        if t == 0:
+            continue
+        if t == 1 and words:
+            words[-1] += "ly"
+        else:
+            words.append("ly" if t == 1 else f"w{t}")
+    return " ".join(words)
+
+
+def test_text_stream_joins_pieces_like_a_whole_decode() -> None:
+    tokens = [5, 1, 7, 0, 8, 1, 1, 9]
+    stream = TextStream(wordpiece)
+    pieces = [stream.push(tokens[:k], k == len(tokens)) for k in range(1, len(tokens) + 1)]
+    assert "".join(pieces) == wordpiece(tokens) == "w5ly w7 w8lyly w9"
+    assert pieces[0] == "w5" and pieces[1] == "ly" and pieces[3] == ""  # the special token adds nothing
+    assert TextStream(wordpiece).push(tokens, True) == wordpiece(tokens)  # all at once: the same
+
+
+def test_text_stream_never_sends_part_of_a_stop_string() -> None:
+    tokens = [5, 6, 7, 8, 9]
+    stream = TextStream(wordpiece, stop=["w7 w8"])
+    sent = [stream.push(tokens[:k], False) for k in range(1, 6)]
+    assert "".join(sent) + stream.push(tokens, True) == "w5 w6 "
+    assert stream.stopped and all("w7" not in s for s in sent)
+
+
+def test_parse_request_alone() -> None:
+    req = parse_request(json.dumps({"messages": [{"role": "system", "content": "be kind"},
+                                                 {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                                    "max_completion_tokens": 7, "max_tokens": 3, "temperature": 0.5, "seed": 1,
+                                    "stop": "x", "metadata": {}}).encode(),
+                        chat=True, max_chars=100, max_tokens_cap=50, max_prompts=4)
+    assert req.prompts == ["system: be kind\nuser: hi\nassistant:"] == [render_chat(
+        [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hi"}])]
+    assert req.max_tokens == 7 and req.stop == ("x",) and req.ignored == ["metadata"]
+    assert req.sampling is not None and req.sampling.temperature == 0.5 and req.sampling.seed == 1
+    with pytest.raises(ClientError) as e:
+        parse_request(b'{"prompt": ["a", "b", "c"]}', chat=False, max_chars=100, max_tokens_cap=50, max_prompts=2)
+    assert e.value.param == "prompt" and "limit of 2" in str(e.value)
+
+
+def test_a_stream_waits_for_its_first_token_before_the_200(stepped: tuple[labserver.ServerHandle, SteppedGen]) -> None:
+    """Until the first token nothing is sent, so a failure before it is an ordinary status (here 504)."""
+    h, model = stepped
+    holder = threading.Thread(target=lambda: httpx.post(h.url + wire.V1_COMPLETIONS_PATH,
+                                                        json={"prompt": "holds", "max_tokens": 2}, timeout=30))
+    holder.start()
+    model.wait_entered()
+    started = time.perf_counter()
+    r, _ = raw_stream(h.url, wire.V1_COMPLETIONS_PATH, {"prompt": "late", "max_tokens": 2})
+    assert_openai_error(r, 504, "timeout")
+    assert time.perf_counter() - started < 5
+    model.allow(10)
+    holder.join(30)
