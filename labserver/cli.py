@@ -132,27 +132,45 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generative(args: argparse.Namespace) -> bool:
+    from .load.apis import is_generative
+
+    return is_generative(args.api, args.mode)
+
+
 def _load_options(args: argparse.Namespace) -> dict[str, Any]:
+    from .load.lengths import parse_lengths
+
     if args.mode is None:
         args.mode = "generate" if (args.strategy or "").startswith("gen-") else "text"
     opts: dict[str, Any] = dict(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
-                                mode=args.mode, processes=args.processes, allow_remote=args.allow_remote)
+                                mode=args.mode, api=args.api, processes=args.processes,
+                                allow_remote=args.allow_remote)
+    if args.url and args.api != "labserver":
+        opts["model"] = args.model  # the name to send (None: ask the server's /v1/models)
     if args.concurrency:
         opts["users"] = args.concurrency
     else:
-        opts.update(arrival=args.arrival, rate_per_s=args.rate)
+        arrival = f"gamma:{args.burstiness}" if args.arrival == "gamma" else args.arrival
+        opts.update(arrival=arrival, rate_per_s=args.rate)
+        if args.max_concurrency:  # open loop, at most this many outstanding: later sends wait (and count as late)
+            opts.update(max_in_flight=args.max_concurrency, overflow="wait")
     if args.payload_file:
         from .load.arrivals import FileLines
 
         opts["payload"] = FileLines(args.payload_file)
+    elif args.prompt_tokens or args.shared_prefix:
+        from .load.prompts import TokenPrompts
+
+        opts["payload"] = TokenPrompts(parse_lengths(args.prompt_tokens or "32"), prefix_tokens=args.shared_prefix,
+                                       tokenizer=args.tokenizer)
     else:
         from .load.arrivals import WordTexts
 
         opts["payload"] = WordTexts(min_words=8, max_words=24)
-    if args.mode == "generate":
-        from .load.lengths import parse_lengths
-
-        opts.update(new_tokens=parse_lengths(args.new_tokens), stream=not args.no_stream, timeout_s=600.0)
+    if _generative(args):
+        opts.update(new_tokens=parse_lengths(args.new_tokens), stream=not args.no_stream, timeout_s=600.0,
+                    ignore_eos=not args.no_ignore_eos)
     return opts
 
 
@@ -203,7 +221,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     opts = _load_options(args)
     opts.pop("users", None)
 
-    metric = "ttft_p99_ms" if args.mode == "generate" else "p99_ms"  # generation: the SLO is on the first token
+    metric = "ttft_p99_ms" if _generative(args) else "p99_ms"  # generation: the SLO is on the first token
 
     def at_rate(rate: float) -> Any:
         result = run_load_sync(url, **{**opts, "arrival": args.arrival, "rate_per_s": rate})
@@ -231,7 +249,18 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     target.add_argument("--strategy", choices=strategy_names(), help="start this strategy here and load it")
     add_model_args(p)
     add_strategy_args(p, with_strategy=False)
-    p.add_argument("--arrival", default="poisson", choices=["poisson", "constant"], help="(default: %(default)s)")
+    p.add_argument("--api", default="labserver", choices=["labserver", "openai-completions", "openai-chat",
+                                                          "openai-embeddings"],
+                   help="labserver's own routes (--mode), or the OpenAI API any LLM server speaks (vLLM, TGI, "
+                        "SGLang, Ollama, llama.cpp, transformers serve, labserver's /v1); with --url, --model "
+                        "names the model to send (default: the server's first in GET /v1/models)")
+    p.add_argument("--arrival", default="poisson", choices=["poisson", "constant", "gamma"],
+                   help="(default: %(default)s)")
+    p.add_argument("--burstiness", type=float, default=0.5,
+                   help="--arrival gamma: the gamma shape (1 = Poisson, < 1 burstier) (default: %(default)s)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="open loop: at most this many requests outstanding; later sends wait for one to end "
+                        "(latency still counts from the schedule)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of sending (default: %(default)s)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds left out of the summary (default: %(default)s)")
     p.add_argument("--mode", default=None, choices=["text", "json", "generate"],
@@ -240,6 +269,15 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="generate: tokens each request asks for: N, uniform:LO:HI, geometric:MEAN[:LO:HI] or "
                         "replay:FILE (default: %(default)s)")
     p.add_argument("--no-stream", action="store_true", help="generate: one JSON answer instead of a token stream")
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="generate: let EOS end an answer early (default: ask for exactly --new-tokens)")
+    p.add_argument("--prompt-tokens", default=None,
+                   help="prompts of this many tokens: N, uniform:LO:HI, geometric:MEAN[:LO:HI] or replay:FILE "
+                        "(words of the built-in list, one token each in the bundled vocabulary)")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="every prompt starts with the same prefix of this many tokens (then --prompt-tokens own)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a local tokenizer folder: --prompt-tokens counted exactly by it")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="generate: goodput needs TTFT within this")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="generate: goodput needs TPOT within this")
     p.add_argument("--payload-file", help="send the lines of this file (default: seeded 8-24 word sentences)")

@@ -12,6 +12,12 @@ and ``send_latency_ms`` is what a naive client would report, kept for comparison
 event stream, and records time to first token and each token's arrival, also from
 the schedule (``labserver.load.results`` describes the columns).
 
+``api="openai-completions"`` / ``"openai-chat"`` / ``"openai-embeddings"`` speaks the
+OpenAI API instead, which labserver's ``/v1`` routes and every LLM server (vLLM, TGI,
+SGLang, Ollama, llama.cpp, ``transformers serve``) offer: the same schedule, the same
+records, so any of them is measured the same way (``labserver.load.apis``). ``model``
+names the model in every request; left out, the server's ``GET /v1/models`` is asked.
+
 Entry points: ``await run_load(url, **options)`` in async code and notebooks,
 ``run_load_sync(url, **options)`` anywhere else (also inside a running Jupyter
 kernel); the options are the fields of ``LoadSpec``. Arrival processes and payloads
@@ -43,7 +49,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 import pandas as pd
 
-from . import wire
+from .load.apis import APIS, OPENAI_APIS, default_path, is_generative, models_url
 from .load.arrivals import Arrival, PayloadLike, make_arrival, take_payloads
 from .load.clients import CLIENTS, check_target
 from .load.lengths import LengthsLike, make_lengths, take_lengths
@@ -71,7 +77,9 @@ class LoadSpec:
     think_s: float = 0.0  # closed loop: pause between a user's answer and its next send
     payload: PayloadLike = "hello world"  # str, WordTexts, FileLines/Path, or any iterable (generate: prompts)
     mode: str = "text"  # "text": POST text/plain body; "json": POST {"inputs": text}; "generate": POST {"prompt", ...}
-    path: str | None = None  # None -> url's own path, else "/" (text), "/predict" (json), "/generate"
+    api: str = "labserver"  # or "openai-completions", "openai-chat", "openai-embeddings" (then mode is not used)
+    model: str | None = None  # OpenAI APIs: the model name to send; None: the first of the server's GET /v1/models
+    path: str | None = None  # None -> url's own path, else the api's (labserver: "/", "/predict", "/generate")
     new_tokens: LengthsLike = 64  # generate: max_new_tokens, an int, a Lengths or a list to replay
     stream: bool = True  # generate: ask for server-sent events (else one JSON answer)
     ignore_eos: bool = True  # generate: ask the model to run to max_new_tokens
@@ -91,7 +99,8 @@ class LoadSpec:
 
     def __post_init__(self) -> None:
         check_target(self.url, self.allow_remote)
-        choices = {"mode": ("text", "json", "generate"), "overflow": ("error", "wait"), "client": tuple(CLIENTS)}
+        choices = {"mode": ("text", "json", "generate"), "overflow": ("error", "wait"), "client": tuple(CLIENTS),
+                   "api": APIS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -105,15 +114,20 @@ class LoadSpec:
             raise ValueError("processes must be >= 1, and process=True to use more than one")
         if self.max_in_flight < self.processes:
             raise ValueError("max_in_flight must be at least the number of processes")
-        if self.mode == "generate":
+        if self.generative:
             make_lengths(self.new_tokens)  # fails now, with what to pass, rather than in a worker
             if self.client != "raw":
-                raise ValueError("mode='generate' needs client='raw': only it times each token event")
+                raise ValueError(f"{self.api if self.api != 'labserver' else 'mode=generate'} needs client='raw': "
+                                 "only it times each token event")
+
+    @property
+    def generative(self) -> bool:
+        return is_generative(self.api, self.mode)
 
     def target_url(self) -> str:
         parts = urlsplit(self.url)
-        path = self.path or (parts.path if parts.path not in ("", "/") else None)
-        path = path or {"text": "/", "json": "/predict", "generate": wire.GENERATE_PATH}[self.mode]
+        given = parts.path if parts.path not in ("", "/") and not parts.path.rstrip("/").endswith("/v1") else None
+        path = self.path or given or default_path(self.api, self.mode, parts.path)
         return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
     def probe_url(self) -> str:
@@ -127,6 +141,8 @@ async def run_load(url: str | LoadSpec, **options: Any) -> LoadResult:
     ``await run_load("http://127.0.0.1:8000", rate_per_s=50, duration_s=10)``
     """
     spec = dataclasses.replace(url, **options) if isinstance(url, LoadSpec) else LoadSpec(url, **options)
+    if spec.api in OPENAI_APIS and spec.model is None:
+        spec = dataclasses.replace(spec, model=await served_model(spec.url, spec.timeout_s))
     plans, arrival = _plan(spec)
     if spec.users:
         total, expected_s = spec.max_requests, spec.duration_s or 0.0
@@ -155,6 +171,21 @@ async def run_load(url: str | LoadSpec, **options: Any) -> LoadResult:
     for w in warnings:
         logger.warning(w)
     return LoadResult(records, meta, warnings, probes.sort_values("t_s", ignore_index=True), tokens)
+
+
+async def served_model(url: str, timeout_s: float = 10.0) -> str:
+    """The id of the first model a server lists at ``GET /v1/models`` (OpenAI's way to ask)."""
+    import httpx
+
+    where = models_url(url)
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
+            r = await client.get(where)
+        r.raise_for_status()
+        return str(r.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"could not ask {where} which model it serves ({type(e).__name__}: {e}); "
+                         "name it with model=... (--model on the command line)") from None
 
 
 def run_load_sync(url: str | LoadSpec, **options: Any) -> LoadResult:
@@ -190,8 +221,8 @@ def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
     n_proc = spec.processes if spec.process else 1
     base = dict(url=spec.target_url(), mode=spec.mode, client=spec.client, timeout_s=spec.timeout_s,
                 overflow=spec.overflow, drain_s=spec.drain_s, seed=spec.seed, stream=spec.stream,
-                ignore_eos=spec.ignore_eos)
-    generate = spec.mode == "generate"
+                ignore_eos=spec.ignore_eos, api=spec.api, model=spec.model or "")
+    generate = spec.generative
     plans: list[Plan] = []
     if spec.users:
         texts: list[str] = []

@@ -19,6 +19,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -27,7 +28,9 @@ __all__ = [
     "Arrival",
     "Constant",
     "FileLines",
+    "Gamma",
     "OnOff",
+    "PayloadSource",
     "Poisson",
     "Ramp",
     "Replay",
@@ -169,6 +172,39 @@ class Poisson(_RateSchedule):
 
 
 @dataclass(frozen=True)
+class Gamma(Arrival):
+    """Bursty (or smoother) arrivals: gamma-distributed gaps with mean 1 / rate_per_s.
+
+    ``burstiness`` is the gamma shape, as in vLLM's benchmark: 1 is Poisson, below 1
+    arrivals come in clumps with long quiet gaps between (coefficient of variation of
+    the gaps 1/sqrt(burstiness)), above 1 they are more even than Poisson.
+    """
+
+    rate_per_s: float
+    burstiness: float = 0.5
+
+    def times(self, duration_s=None, max_requests=None, seed=0) -> np.ndarray:
+        limit_s, limit_n = _check_bounds(duration_s, max_requests)
+        if self.rate_per_s <= 0 or self.burstiness <= 0:
+            raise ValueError(f"Gamma needs rate_per_s > 0 and burstiness > 0, got {self!r}")
+        rng = np.random.default_rng(seed)
+        chunks, n, t0 = [], 0, 0.0
+        while n < limit_n:
+            gaps = rng.gamma(self.burstiness, 1.0 / (self.rate_per_s * self.burstiness), _CHUNK)
+            t = t0 + np.cumsum(gaps) - gaps[0]  # the first arrival at t=0, as for the others
+            t0 = t[-1] + gaps[0]
+            keep = t[t < limit_s][: limit_n - n]
+            chunks.append(keep)
+            n += len(keep)
+            if len(keep) < len(t):
+                break
+        return np.concatenate(chunks) if chunks else np.empty(0)
+
+    def mean_rate_per_s(self, duration_s: float) -> float | None:
+        return self.rate_per_s
+
+
+@dataclass(frozen=True)
 class OnOff(_RateSchedule):
     """Bursts: rate_per_s for on_s, nothing for off_s, repeated (starts 'on')."""
 
@@ -243,16 +279,24 @@ class Replay(Arrival):
         return np.asarray(out, dtype=float)
 
 
-ARRIVALS: dict[str, type[Arrival]] = {"constant": Constant, "poisson": Poisson}
+ARRIVALS: dict[str, type[Arrival]] = {"constant": Constant, "poisson": Poisson, "gamma": Gamma}
 
 
 def make_arrival(arrival: str | Arrival | Iterable[float], rate_per_s: float | None = None) -> Arrival:
-    """A name ("constant", "poisson") with ``rate_per_s``, an Arrival, or times to replay."""
+    """A name ("constant", "poisson", "gamma" or "gamma:BURSTINESS") with ``rate_per_s``,
+    an Arrival, or times to replay."""
     if isinstance(arrival, Arrival):
         return arrival
+    if isinstance(arrival, str) and (arrival == "gamma" or arrival.startswith("gamma:")):
+        if rate_per_s is None or rate_per_s <= 0:
+            raise ValueError(f"arrival={arrival!r} needs rate_per_s > 0")
+        try:
+            return Gamma(rate_per_s, float(arrival[6:]) if arrival[6:] else 0.5)
+        except ValueError:
+            raise ValueError(f"bad arrival {arrival!r}: use gamma or gamma:BURSTINESS, e.g. gamma:0.5") from None
     if isinstance(arrival, str):
         if arrival not in ARRIVALS:
-            raise ValueError(f"unknown arrival {arrival!r}; use one of {sorted(ARRIVALS)}, "
+            raise ValueError(f"unknown arrival {arrival!r}; use one of {sorted(ARRIVALS)}, gamma:BURSTINESS, "
                              "an Arrival such as OnOff/Steps/Ramp, or an iterable of times")
         if rate_per_s is None or rate_per_s <= 0:
             raise ValueError(f"arrival={arrival!r} needs rate_per_s > 0")
@@ -329,7 +373,17 @@ class FileLines:
         return lines
 
 
-PayloadLike = str | WordTexts | FileLines | Path | Iterable[str]
+class PayloadSource(Protocol):
+    """Anything that draws texts from a seeded generator (``WordTexts``, ``labserver.load.prompts``)."""
+
+    def take(self, n: int, rng: np.random.Generator) -> list[str]: ...
+
+
+PayloadLike = str | WordTexts | PayloadSource | FileLines | Path | Iterable[str]
+
+
+def _is_source(payload: object) -> bool:
+    return not isinstance(payload, (str, Path, FileLines)) and callable(getattr(payload, "take", None))
 
 
 def iter_payloads(payload: PayloadLike, seed: int | Sequence[int] = 0) -> Iterator[str]:
@@ -337,7 +391,7 @@ def iter_payloads(payload: PayloadLike, seed: int | Sequence[int] = 0) -> Iterat
     file lines, a generator that ends) start again from their beginning."""
     if isinstance(payload, str):
         return itertools.repeat(payload)
-    if isinstance(payload, WordTexts):
+    if _is_source(payload):
         rng = np.random.default_rng(seed)
         return itertools.chain.from_iterable(payload.take(1024, rng) for _ in itertools.count())
     if isinstance(payload, Path):
@@ -360,6 +414,6 @@ def _cycle_checked(items: Iterable[str]) -> Iterator[str]:
 
 def take_payloads(payload: PayloadLike, n: int, seed: int | Sequence[int] = 0) -> list[str]:
     """The first ``n`` texts of ``iter_payloads(payload, seed)``."""
-    if isinstance(payload, WordTexts):
+    if _is_source(payload):
         return payload.take(n, np.random.default_rng(seed))
     return list(itertools.islice(iter_payloads(payload, seed), n))

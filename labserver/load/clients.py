@@ -3,8 +3,8 @@
 Both send one fixed kind of request (method, path, content type) over keep-alive
 connections, one request per connection at a time, and answer ``(status, headers)``
 or raise ``RequestFailed(kind)`` with a short error kind. ``StreamClient``, the raw
-one that also reads bodies, answers a ``labserver.load.sse.Answer`` instead: the body
-read as it arrives, with the time of each token event of a stream (generation) or
+one that also reads bodies, answers a ``labserver.load.sse.Answer`` (or, for OpenAI
+streams, a ``labserver.load.openai_sse.OpenAIAnswer``) instead: the body read as it arrives, with the time of each token event of a stream (generation) or
 the whole body (the soak reads ``/stats`` and its answers with it). They know nothing
 of schedules or records; ``labserver.loadgen`` and the soak drive them.
 
@@ -23,6 +23,7 @@ import ipaddress
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
@@ -250,9 +251,14 @@ class StreamClient(RawClient):
 
     _protocol = _BodyConnection
 
+    def __init__(self, url: str, *, answer: Callable[[], Answer] = Answer, **options: Any) -> None:
+        """``answer``: what reads the body (``Answer``, or ``openai_sse.OpenAIAnswer`` for OpenAI streams)."""
+        super().__init__(url, **options)
+        self._answer = answer
+
     async def request(self, body: bytes = b"", headers: Mapping[str, str] | None = None,  # type: ignore[override]
                       on_sent: Callable[[], None] | None = None) -> Answer:
-        answer = Answer()
+        answer = self._answer()
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self._request(body, answer, headers, on_sent)

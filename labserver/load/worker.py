@@ -6,7 +6,8 @@ scheduled times, payloads, or closed-loop users) and turns the rows that come ba
 into records. This module only sends on time and writes down what happened, one
 tuple per request (``ROW_FIELDS``), as cheaply as it can: at 1000 requests/s every
 microsecond of bookkeeping is a tenth of a percent of a core. A generation request
-(mode "generate") also carries its token arrival times in the row, as a list.
+(mode "generate", or an OpenAI completions/chat API) also carries its token arrival
+times in the row, as a list.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from typing import Any
 import numpy as np
 
 from .. import wire
+from .apis import is_generative, openai_body
 from .arrivals import iter_payloads
 from .clients import CLIENTS, RequestFailed, StreamClient
 from .lengths import iter_lengths
+from .openai_sse import OpenAIAnswer
 from .sse import Answer
 
 logger = logging.getLogger(__name__)
@@ -142,8 +145,10 @@ class Plan:
     probe_interval_s: float | None = None
     new_tokens: np.ndarray | None = None  # mode "generate", open loop: max_new_tokens per request
     lengths: Any = None  # mode "generate", closed loop: a Lengths to draw from as it goes
-    stream: bool = True  # mode "generate": ask for server-sent events
-    ignore_eos: bool = True  # mode "generate": ask for exactly max_new_tokens
+    stream: bool = True  # generation: ask for server-sent events
+    ignore_eos: bool = True  # generation: ask for exactly max_new_tokens
+    api: str = "labserver"  # or "openai-completions", "openai-chat", "openai-embeddings" (labserver.load.apis)
+    model: str = ""  # OpenAI APIs: the model name every request names
 
     def mean_gap_s(self) -> float:
         s = self.scheduled_s
@@ -164,7 +169,7 @@ class Worker:
         self.plan, self.counter = plan, counter
         self.rows: list[tuple] = []
         self.probes: list[tuple] = []
-        self.gen = plan.mode == "generate"
+        self.gen = is_generative(plan.api, plan.mode)
         if plan.users:
             self.bodies = []
         else:  # built before the run: json.dumps is not free at 1000 requests/s
@@ -174,6 +179,9 @@ class Worker:
         self.spin_s = 0.0
 
     def _body(self, text: str, new_tokens: int | None = None) -> bytes:
+        if self.plan.api != "labserver":
+            return openai_body(self.plan.api, self.plan.model, text, new_tokens, stream=self.plan.stream,
+                               ignore_eos=self.plan.ignore_eos)
         if self.gen:
             return json.dumps({"prompt": text, "max_new_tokens": int(new_tokens), "stream": self.plan.stream,
                                "ignore_eos": self.plan.ignore_eos}).encode()
@@ -184,8 +192,11 @@ class Worker:
     def _client(self, url: str, method: str):
         kind = StreamClient if self.gen and method == "POST" else CLIENTS[self.plan.client]
         content_type = None if method == "GET" else (
-            "text/plain; charset=utf-8" if self.plan.mode == "text" else "application/json")
-        extra = {"max_connections": self.plan.max_in_flight} if self.plan.client == "httpx" else {}
+            "text/plain; charset=utf-8" if self.plan.mode == "text" and self.plan.api == "labserver"
+            else "application/json")
+        extra: dict[str, Any] = {"max_connections": self.plan.max_in_flight} if self.plan.client == "httpx" else {}
+        if kind is StreamClient and self.plan.api != "labserver":
+            extra["answer"] = OpenAIAnswer
         return kind(url, method=method, content_type=content_type, timeout_s=self.plan.timeout_s, **extra)
 
     async def run(self, t0: float) -> dict[str, Any]:
@@ -244,7 +255,7 @@ class Worker:
         return done
 
     def _gen_row(self, i: int, scheduled_s: float, sent: float, done: float, error: str, chars: int,
-                 new_tokens: int, answer: Answer | None) -> tuple:
+                 new_tokens: int, answer: Answer | OpenAIAnswer | None) -> tuple:
         if answer is None:  # no response at all
             return (i, self.plan.worker, scheduled_s, sent, done, 0, error, chars, *_NO_HEADERS,
                     math.nan, 0, new_tokens, "", None)
