@@ -1,0 +1,407 @@
+"""labserver's numbers cross-checked by code no one here wrote, and labserver beside a real peer.
+
+    python benchmarks/crosscheck.py --out results/crosscheck/cpu.json          # ~30 minutes on 2 cores
+    python benchmarks/crosscheck.py --model gpt2-tiny-random --requests 60 --skip-requests 10 --rate 4 \\
+        --pairs 1 --door-seconds 4 --door-users 8 --out /tmp/cc.json              # smoke: ~3 minutes
+
+Three parts, each printed as rows with a goal and PASS/FAIL (INFO where there is none):
+
+1. **labserver's generator against guidellm** on one labserver ``gen-continuous`` server
+   (``--model``, default gpt2-random) and one workload: Poisson arrivals at ``--rate``,
+   prompts of ``--prompt-tokens`` tokens, ``--output-tokens`` tokens out with ``ignore_eos``,
+   streamed from ``/v1/completions``, ``--requests`` requests. guidellm (its own venv under
+   ``benchmarks/.peers/guidellm``, installed here on first use with torch pinned beside it)
+   is given the Poisson send times as a trace (its ``replay`` profile, ``trace_synthetic``
+   data) and labserver's generator replays the same times, so both measure the very same
+   load. (guidellm 0.8.1's own ``poisson`` profile is not used: each of its worker
+   processes draws from a generator with the same seed, so its gaps repeat in runs of ten,
+   and a worker that starts before the shared offset is set sends at once.) ``--pairs``
+   pairs, the order alternating (guidellm first, then labserver first, ...); the first
+   ``--skip-requests`` of each run are left out on both sides (guidellm's first requests
+   wait for its start-up); each ratio (labserver / guidellm) is the median over the
+   pairs; goal: within 5 %.
+   Like with like: guidellm times TTFT from its actual send (its dispatch delay, reported
+   beside, is not in it), so labserver's TTFT here is also taken from the actual send
+   (``first_token_s - sent_s``; from the schedule too, as INFO); guidellm's "ITL" is per
+   request (last token - first token) / (tokens - 1), averaged over requests, computed
+   the same way from labserver's token times; its "TPOT" counts the first token
+   ((last token - send) / tokens), so it is compared to that formula (INFO), not to
+   labserver's TPOT; output tokens/s is total output tokens / (last answer - first send)
+   from each tool's own per-request times.
+2. **A real peer**: ``transformers serve`` (transformers' own OpenAI-compatible server,
+   ``--continuous-batching``, its own venv ``benchmarks/.peers/hfserve``) on the same
+   GPT-2-shaped random weights saved to ``benchmarks/.peers/gpt2-random``, beside
+   labserver ``gen-continuous``, both loaded by labserver's generator with the same
+   Poisson schedule through ``/v1/completions``: tokens/s and p99 TTFT as ratios (INFO).
+   If it cannot run here, its row keeps the error.
+3. **The /v1 door's cost**: tokens/s through ``/v1/completions`` vs ``/generate`` on one
+   ``gen-continuous`` server at saturation (``--door-users`` closed-loop users), alternating,
+   ``--pairs`` pairs; goal >= 0.95.
+
+Wrap it in the machine's CPU lock when others share it: ``flock -x /tmp/labserver-cpu.lock ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from labserver.experiments.runs import machine_info
+from labserver.load.arrivals import Poisson
+from labserver.load.prompts import TokenPrompts
+from labserver.loadgen import LoadResult, run_load_sync
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT / "benchmarks" / ".peers"
+TORCH = "torch==2.13.0"  # pinned beside every peer: a looser spec pulls GBs of CUDA packages
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")  # labserver's own, for the peer
+
+
+class Unavailable(Exception):
+    """A peer that cannot run here: its row keeps the reason."""
+
+
+def row(name: str, value: float, goal: str, passed: bool | None, detail: str) -> dict[str, Any]:
+    result = "INFO" if passed is None else "PASS" if passed else "FAIL"
+    return {"target": name, "value": value, "goal": goal, "result": result, "detail": detail}
+
+
+# -- peers: own venvs, installed on first use -----------------------------------------------------------
+
+def peer_venv(name: str, packages: Sequence[str], tool: str) -> Path:
+    """``benchmarks/.peers/NAME/bin/TOOL``, creating the venv and installing ``packages`` if it is missing."""
+    exe = PEERS / name / "bin" / tool
+    if exe.exists():
+        return exe
+    PEERS.mkdir(parents=True, exist_ok=True)
+    print(f"installing {name} into {PEERS / name} (once) ...", file=sys.stderr)
+    log = PEERS / f"{name}-install.log"
+    with log.open("w") as out:
+        steps = [[sys.executable, "-m", "venv", str(PEERS / name)],
+                 [str(PEERS / name / "bin" / "pip"), "install", "-q", TORCH, *packages]]
+        for cmd in steps:
+            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode:
+                raise Unavailable(f"installing {name} failed: {' '.join(cmd)} (see {log})")
+    if not exe.exists():
+        raise Unavailable(f"{name} installed, but {exe} is missing")
+    return exe
+
+
+def model_folder(spec: str) -> Path:
+    """labserver's ``spec`` (its seeded random weights and bundled vocabulary) saved where a peer can load it.
+
+    Without an EOS token: ``transformers serve`` refuses the ``ignore_eos`` field (422), and
+    these random weights often choose EOS first, so the folder's configs name none and the
+    peer, like labserver asked with ``ignore_eos``, generates exactly the tokens asked.
+    """
+    folder = PEERS / spec
+    if not (folder / "config.json").exists():
+        from labserver.models import load_model
+
+        model = load_model(spec, device="cpu")
+        tokenizer = model.tokenizer
+        tokenizer.chat_template = CHAT_TEMPLATE
+        model.hf_model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    for name in ("config.json", "generation_config.json"):
+        doc = json.loads((folder / name).read_text())
+        if doc.get("eos_token_id") is not None:
+            doc["eos_token_id"] = None
+            (folder / name).write_text(json.dumps(doc, indent=2))
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def process(cmd: Sequence[str], health_url: str, log_path: Path, timeout_s: float = 600) -> Iterator[None]:
+    """Run a server process until the block ends; ready once ``health_url`` answers 200."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            end = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    tail = log_path.read_text()[-1500:]
+                    raise Unavailable(f"{Path(cmd[0]).name} exited ({proc.returncode}) before it was ready: {tail}")
+                try:
+                    if httpx.get(health_url, timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > end:
+                    raise Unavailable(f"{Path(cmd[0]).name} was not ready within {timeout_s:g} s")
+                time.sleep(0.5)  # a process start has no event to wait on: a bounded poll of its health
+            yield
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+
+
+def labserver_cmd(args: argparse.Namespace, port: int) -> list[str]:
+    return [sys.executable, "-m", "labserver.cli", "serve", "--strategy", "gen-continuous", "--model", args.model,
+            "--device", "cpu", "--port", str(port), "--max-batch", str(args.max_batch), "--log-level", "warning"]
+
+
+# -- the two tools' figures, like with like ---------------------------------------------------------------
+
+def ours(result: LoadResult, keep: range | None = None) -> dict[str, float]:
+    """labserver's generator's run in guidellm's definitions (and its own TTFT from the schedule);
+    ``keep``: the request numbers (schedule order) to count."""
+    rec = result.records if keep is None else result.records[result.records["i"].isin(keep)]
+    ok = rec[(rec["status"] == 200) & (rec["error"] == "")]
+    n = ok["n_tokens"].astype(float)
+    ttft_send = (ok["first_token_s"] - ok["sent_s"]).to_numpy(dtype=float) * 1000
+    tokens = result.tokens[result.tokens["i"].isin(ok["i"])]
+    span = tokens.groupby("i")["t_s"].agg(["min", "max", "count"])
+    itl = ((span["max"] - span["min"]) / (span["count"] - 1))[span["count"] > 1] * 1000
+    last = tokens.groupby("i")["t_s"].max().reindex(ok["i"]).to_numpy(dtype=float)
+    tpot_g = (last - ok["sent_s"].to_numpy(dtype=float)) * 1000 / n.to_numpy()
+    return {"n": len(ok), "errors": int(len(rec) - len(ok)),
+            "ttft_p50_ms": float(np.percentile(ttft_send, 50)), "ttft_p99_ms": float(np.percentile(ttft_send, 99)),
+            "ttft_sched_p50_ms": float(ok["ttft_ms"].median()),
+            "ttft_sched_p99_ms": float(np.percentile(ok["ttft_ms"].to_numpy(dtype=float), 99)),
+            "itl_mean_ms": float(itl.mean()), "tpot_guidellm_ms": float(np.mean(tpot_g)),
+            "output_tps": float(n.sum() / (ok["done_s"].max() - ok["sent_s"].min())),
+            "output_tokens": int(n.sum()), "late_p99_ms": float(result.meta.get("late_ms_p99", math.nan))}
+
+
+def guidellm_figures(doc: dict[str, Any], skip: int) -> dict[str, float]:
+    """Figures from guidellm's JSON, computed from its per-request records in schedule order, the first
+    ``skip`` left out (as for labserver's: its first requests pay its start-up)."""
+    reqs = doc["benchmarks"][0]["requests"]
+    every = sorted(reqs["successful"] + reqs.get("errored", []) + reqs.get("incomplete", []),
+                   key=lambda r: r["info"]["timings"]["targeted_start"])
+    counted = every[skip:]
+    good = [r for r in counted if r["info"]["status"] == "completed" and not r["info"]["error"]]
+    ttft = np.array([r["time_to_first_token_ms"] for r in good], dtype=float)
+    out = np.array([r["output_tokens"] for r in good], dtype=float)
+    start = np.array([r["request_start_time"] for r in good], dtype=float)
+    end = np.array([r["request_end_time"] for r in good], dtype=float)
+    return {"n": len(good), "errors": len(counted) - len(good), "requests_run": len(every),
+            "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
+            "itl_mean_ms": float(np.mean([r["inter_token_latency_ms"] for r in good])),
+            "tpot_guidellm_ms": float(np.mean([r["time_per_output_token_ms"] for r in good])),
+            "output_tps": float(out.sum() / (end.max() - start.min())), "output_tokens": int(out.sum()),
+            "dispatch_delay_p99_ms": float(np.percentile([r["request_dispatch_delay"] for r in good], 99) * 1000),
+            "startup_dispatch_delay_max_ms": float(max(r["request_dispatch_delay"] for r in every[:skip]) * 1000)
+            if skip else math.nan}
+
+
+def run_guidellm(exe: Path, url: str, model: str, folder: Path, trace: Path, work: Path) -> dict[str, Any]:
+    """guidellm replaying ``trace`` (send times and lengths) against ``url``'s /v1/completions."""
+    out = work / f"guidellm-{time.time_ns()}.json"
+    data = json.dumps({"kind": "trace_synthetic", "source": {"kind": "json_file", "path": str(trace)}})
+    cmd = [str(exe), "run", "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/completions",
+           "--profile", "kind=replay,schedule_turn=timestamp", "--data", data,
+           "--tokenizer", f"kind=huggingface_auto,model={folder}", "--output", f"kind=json,path={out}",
+           "--disable-console"]
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=work, check=False,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    if run.returncode or not out.exists():
+        raise Unavailable(f"guidellm failed ({run.returncode}): {(run.stderr or run.stdout)[-1500:]}")
+    return json.loads(out.read_text())
+
+
+def run_ours(url: str, model: str | None, schedule_s: np.ndarray | None, args: argparse.Namespace,
+             **how: Any) -> LoadResult:
+    timing = (dict(arrival=schedule_s.tolist(), max_requests=len(schedule_s)) if schedule_s is not None
+              else dict(arrival="poisson", rate_per_s=args.rate, max_requests=args.requests))
+    options = dict(api="openai-completions", model=model, payload=TokenPrompts(args.prompt_tokens),
+                   new_tokens=args.output_tokens, ignore_eos=True, timeout_s=1800.0, progress=False,
+                   seed=args.seed, **timing)
+    return run_load_sync(url, **{**options, **how})
+
+
+def warm(url: str, model: str | None, **how: Any) -> None:
+    run_load_sync(url, **{**dict(api="openai-completions", model=model, users=1, max_requests=3, new_tokens=8,
+                                 payload=TokenPrompts(16), progress=False, process=False, timeout_s=600.0), **how})
+
+
+# -- the three parts ----------------------------------------------------------------------------------------
+
+def against_guidellm(args: argparse.Namespace, folder: Path, work: Path) -> tuple[list[dict[str, Any]], Any]:
+    exe = peer_venv("guidellm", ["guidellm"], "guidellm")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    schedule = Poisson(args.rate).times(max_requests=args.requests, seed=args.seed)
+    trace = work / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": float(t), "input_length": args.prompt_tokens,
+                                         "output_length": args.output_tokens}) + "\n" for t in schedule))
+    pairs: list[dict[str, Any]] = []
+    with process(labserver_cmd(args, port), url + "/health", work / "labserver-guidellm.log"):
+        warm(url, args.model)
+        for k in range(args.pairs):
+            order = ("guidellm", "labserver") if k % 2 == 0 else ("labserver", "guidellm")
+            pair: dict[str, Any] = {"order": list(order)}
+            for tool in order:
+                print(f"pair {k + 1}/{args.pairs}: {tool} ...", file=sys.stderr)
+                if tool == "guidellm":
+                    pair["guidellm"] = guidellm_figures(run_guidellm(exe, url, args.model, folder, trace, work),
+                                                        args.skip_requests)
+                else:
+                    pair["result"] = run_ours(url, args.model, schedule, args)
+            # the same requests on both sides: guidellm's replay may leave out the trace's last line
+            keep = range(args.skip_requests, pair["guidellm"]["requests_run"])
+            pair["labserver"] = ours(pair.pop("result"), keep)
+            pairs.append(pair)
+
+    def per_pair(key: str) -> list[float]:
+        return [p["labserver"][key] / p["guidellm"][key] for p in pairs]
+
+    med = lambda key: statistics.median(per_pair(key))  # noqa: E731
+    val = lambda tool, key: statistics.median(p[tool][key] for p in pairs)  # noqa: E731
+    rows = []
+    for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("itl_mean_ms", "mean ITL"),
+                       ("output_tps", "output tokens/s")):
+        r = med(key)
+        rows.append(row(f"1 labserver / guidellm {label}", r, "0.95 .. 1.05", 0.95 <= r <= 1.05,
+                        f"{val('labserver', key):.4g} vs {val('guidellm', key):.4g} (medians of {len(pairs)} pairs; "
+                        f"per pair {', '.join(f'{ratio:.3f}' for ratio in per_pair(key))})"))
+    rows.append(row("1 labserver / guidellm TPOT as guidellm defines it (first token counted)", med("tpot_guidellm_ms"),
+                    "(INFO)", None, f"{val('labserver', 'tpot_guidellm_ms'):.4g} vs "
+                    f"{val('guidellm', 'tpot_guidellm_ms'):.4g} ms: (last token - send) / tokens"))
+    rows.append(row("1 labserver TTFT p99 from the schedule / from the send", val("labserver", "ttft_sched_p99_ms")
+                    / val("labserver", "ttft_p99_ms"), "(INFO)", None,
+                    f"{val('labserver', 'ttft_sched_p99_ms'):.4g} vs {val('labserver', 'ttft_p99_ms'):.4g} ms; "
+                    f"late sends p99 {val('labserver', 'late_p99_ms'):.2f} ms; guidellm's dispatch delay p99 "
+                    f"{val('guidellm', 'dispatch_delay_p99_ms'):.2f} ms (not in its TTFT), up to "
+                    f"{val('guidellm', 'startup_dispatch_delay_max_ms'):.0f} ms in its first {args.skip_requests}"))
+    return rows, pairs
+
+
+def against_peer(args: argparse.Namespace, folder: Path, work: Path) -> tuple[list[dict[str, Any]], Any]:
+    exe = peer_venv("hfserve", ["transformers[serving]==5.23.0"], "transformers")
+    runs: dict[str, Any] = {}
+    for name in ("labserver", "transformers serve"):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        if name == "labserver":
+            cmd, served, eos = labserver_cmd(args, port), args.model, {"ignore_eos": True}
+        else:  # its /v1/models fails offline (it scans the hub cache): the name is the folder as given
+            cmd, served, eos = [str(exe), "serve", str(folder), "--continuous-batching", "--device", "cpu", "--port",
+                                str(port), "--host", "127.0.0.1"], str(folder), {"ignore_eos": False}
+        print(f"peer: {name} ...", file=sys.stderr)
+        with process(cmd, url + "/health", work / f"{name.replace(' ', '-')}.log"):
+            probe = httpx.post(url + "/v1/completions", timeout=120, json={
+                "model": served, "prompt": "hello", "max_tokens": 2, "ignore_eos": True})
+            runs.setdefault("ignore_eos_probe", {})[name] = f"{probe.status_code} {probe.text[:160]}"
+            warm(url, served, **eos)
+            result = run_ours(url, served, None, args, **eos)
+        runs[name] = {**ours(result), "summary": {k: v for k, v in result.summary().items()
+                                                  if isinstance(v, (int, float, str))}}
+        if runs[name]["errors"]:
+            errors = result.records.loc[result.records["error"] != "", "error"].value_counts().to_dict()
+            runs[name]["error_kinds"] = errors
+    a, b = runs["labserver"], runs["transformers serve"]
+    tokens_note = (f"output tokens {a['output_tokens']} vs {b['output_tokens']}; ignore_eos sent to it: "
+                   f"{runs['ignore_eos_probe']['transformers serve'][:3]}")
+    rows = [row("2 labserver / transformers serve output tokens/s", a["output_tps"] / b["output_tps"], "(INFO)",
+                None, f"{a['output_tps']:.4g} vs {b['output_tps']:.4g} tokens/s; {tokens_note}"),
+            row("2 labserver / transformers serve TTFT p99", a["ttft_sched_p99_ms"] / b["ttft_sched_p99_ms"], "(INFO)",
+                None, f"{a['ttft_sched_p99_ms']:.4g} vs {b['ttft_sched_p99_ms']:.4g} ms from the schedule")]
+    return rows, runs
+
+
+def door_cost(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, Any]], Any]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    pairs = []
+    with process(labserver_cmd(args, port), url + "/health", work / "labserver-door.log"):
+        warm(url, args.model)
+        for k in range(args.pairs):
+            pair = {}
+            for api in (("openai-completions", "labserver") if k % 2 == 0 else ("labserver", "openai-completions")):
+                print(f"door pair {k + 1}/{args.pairs}: {api} ...", file=sys.stderr)
+                r = run_ours(url, args.model, None, args, api=api, mode="generate", arrival=None, rate_per_s=None,
+                             users=args.door_users, duration_s=args.door_seconds, max_requests=None)
+                s = r.summary()
+                pair[api] = {"tps": s["token_throughput_tps"], "n_ok": s["n_ok"], "ttft_p50_ms": s["ttft_p50_ms"]}
+            pairs.append(pair)
+    ratios = [p["openai-completions"]["tps"] / p["labserver"]["tps"] for p in pairs]
+    r = statistics.median(ratios)
+    v1 = statistics.median(p["openai-completions"]["tps"] for p in pairs)
+    native = statistics.median(p["labserver"]["tps"] for p in pairs)
+    return [row("3 /v1/completions / /generate tokens/s at saturation", r, ">= 0.95", r >= 0.95,
+                f"{v1:.4g} vs {native:.4g} tokens/s, {args.door_users} users closed loop, {args.door_seconds:g} s each; "
+                f"per pair {', '.join(f'{x:.3f}' for x in ratios)}")], pairs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gpt2-random", help="labserver's model (saved for the peer as it is)")
+    ap.add_argument("--rate", type=float, default=2.5, help="Poisson requests/s (below the server's capacity)")
+    ap.add_argument("--requests", type=int, default=330, help="requests per run (>= 300 counted for a p99)")
+    ap.add_argument("--skip-requests", type=int, default=20,
+                    help="the first requests of each run left out of both tools' figures (their start-up)")
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=16, help="labserver's sequences per step")
+    ap.add_argument("--pairs", type=int, default=3, help="alternating pairs; ratios are medians over them")
+    ap.add_argument("--door-users", type=int, default=32, help="closed-loop users for the /v1 door's cost")
+    ap.add_argument("--door-seconds", type=float, default=30.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out: guidellm, peer, door")
+    ap.add_argument("--out", default="results/crosscheck/cpu.json")
+    args = ap.parse_args()
+    logging.getLogger("labserver.loadgen").setLevel(logging.ERROR)
+    skip = set(filter(None, args.skip.split(",")))
+    numbers: dict[str, Any] = {"machine": machine_info("cpu"), "args": vars(args),
+                               "command": " ".join(["python", *sys.argv])}
+    rows: list[dict[str, Any]] = []
+    folder = model_folder(args.model)
+    with tempfile.TemporaryDirectory(prefix="crosscheck-") as tmp:
+        work = Path(tmp)
+        for part, fn, call in (("guidellm", against_guidellm, (args, folder, work)),
+                               ("peer", against_peer, (args, folder, work)),
+                               ("door", door_cost, (args, work))):
+            if part in skip:
+                continue
+            try:
+                part_rows, raw = fn(*call)
+            except Exception as e:  # noqa: BLE001 - a part that cannot run keeps its row, with why
+                logging.getLogger("crosscheck").exception("%s failed", part)
+                why = f"{type(e).__name__}: {e}"
+                part_rows, raw = [row(f"{part}: could not run here", math.nan, "-", None, why[:400])], {"error": why}
+            rows += part_rows
+            numbers[part] = raw
+    numbers["rows"] = rows
+    lines = [f"{'target':<80} {'value':>8} {'goal':>13} {'result':>6}  detail"]
+    lines += [f"{r['target']:<80} {r['value']:>8.3f} {r['goal']:>13} {r['result']:>6}  {r['detail']}" for r in rows]
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(numbers, indent=1, default=float))
+    out.with_suffix(".txt").write_text(f"$ {numbers['command']}\n{numbers['machine']['when']}\n\n{table}\n")
+    print(f"wrote {out} and {out.with_suffix('.txt')}", file=sys.stderr)
+    return 0 if all(r["result"] != "FAIL" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
