@@ -48,20 +48,25 @@ import json
 import logging
 import math
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
+from labserver.experiments.peers import (
+    PeerUnavailable,
+    free_port,
+    peer_venv,
+    running,
+    save_for_peer,
+    transformers_serve,
+)
 from labserver.experiments.runs import machine_info
 from labserver.load.arrivals import Poisson
 from labserver.load.prompts import TokenPrompts
@@ -69,98 +74,9 @@ from labserver.loadgen import LoadResult, run_load_sync
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks" / ".peers"
-TORCH = "torch==2.13.0"  # pinned beside every peer: a looser spec pulls GBs of CUDA packages
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")  # labserver's own, for the peer
-
-
-class Unavailable(Exception):
-    """A peer that cannot run here: its row keeps the reason."""
-
-
 def row(name: str, value: float, goal: str, passed: bool | None, detail: str) -> dict[str, Any]:
     result = "INFO" if passed is None else "PASS" if passed else "FAIL"
     return {"target": name, "value": value, "goal": goal, "result": result, "detail": detail}
-
-
-# -- peers: own venvs, installed on first use -----------------------------------------------------------
-
-def peer_venv(name: str, packages: Sequence[str], tool: str) -> Path:
-    """``benchmarks/.peers/NAME/bin/TOOL``, creating the venv and installing ``packages`` if it is missing."""
-    exe = PEERS / name / "bin" / tool
-    if exe.exists():
-        return exe
-    PEERS.mkdir(parents=True, exist_ok=True)
-    print(f"installing {name} into {PEERS / name} (once) ...", file=sys.stderr)
-    log = PEERS / f"{name}-install.log"
-    with log.open("w") as out:
-        steps = [[sys.executable, "-m", "venv", str(PEERS / name)],
-                 [str(PEERS / name / "bin" / "pip"), "install", "-q", TORCH, *packages]]
-        for cmd in steps:
-            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode:
-                raise Unavailable(f"installing {name} failed: {' '.join(cmd)} (see {log})")
-    if not exe.exists():
-        raise Unavailable(f"{name} installed, but {exe} is missing")
-    return exe
-
-
-def model_folder(spec: str) -> Path:
-    """labserver's ``spec`` (its seeded random weights and bundled vocabulary) saved where a peer can load it.
-
-    Without an EOS token: ``transformers serve`` refuses the ``ignore_eos`` field (422), and
-    these random weights often choose EOS first, so the folder's configs name none and the
-    peer, like labserver asked with ``ignore_eos``, generates exactly the tokens asked.
-    """
-    folder = PEERS / spec
-    if not (folder / "config.json").exists():
-        from labserver.models import load_model
-
-        model = load_model(spec, device="cpu")
-        tokenizer = model.tokenizer
-        tokenizer.chat_template = CHAT_TEMPLATE
-        model.hf_model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-    for name in ("config.json", "generation_config.json"):
-        doc = json.loads((folder / name).read_text())
-        if doc.get("eos_token_id") is not None:
-            doc["eos_token_id"] = None
-            (folder / name).write_text(json.dumps(doc, indent=2))
-    return folder
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def process(cmd: Sequence[str], health_url: str, log_path: Path, timeout_s: float = 600) -> Iterator[None]:
-    """Run a server process until the block ends; ready once ``health_url`` answers 200."""
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            end = time.monotonic() + timeout_s
-            while True:
-                if proc.poll() is not None:
-                    tail = log_path.read_text()[-1500:]
-                    raise Unavailable(f"{Path(cmd[0]).name} exited ({proc.returncode}) before it was ready: {tail}")
-                try:
-                    if httpx.get(health_url, timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > end:
-                    raise Unavailable(f"{Path(cmd[0]).name} was not ready within {timeout_s:g} s")
-                time.sleep(0.5)  # a process start has no event to wait on: a bounded poll of its health
-            yield
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(30)
 
 
 def labserver_cmd(args: argparse.Namespace, port: int) -> list[str]:
@@ -224,7 +140,7 @@ def run_guidellm(exe: Path, url: str, model: str, folder: Path, trace: Path, wor
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=work, check=False,
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     if run.returncode or not out.exists():
-        raise Unavailable(f"guidellm failed ({run.returncode}): {(run.stderr or run.stdout)[-1500:]}")
+        raise PeerUnavailable(f"guidellm failed ({run.returncode}): {(run.stderr or run.stdout)[-1500:]}")
     return json.loads(out.read_text())
 
 
@@ -246,7 +162,7 @@ def warm(url: str, model: str | None, **how: Any) -> None:
 # -- the three parts ----------------------------------------------------------------------------------------
 
 def against_guidellm(args: argparse.Namespace, folder: Path, work: Path) -> tuple[list[dict[str, Any]], Any]:
-    exe = peer_venv("guidellm", ["guidellm"], "guidellm")
+    exe = peer_venv(PEERS, "guidellm", ["guidellm"], "guidellm")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     schedule = Poisson(args.rate).times(max_requests=args.requests, seed=args.seed)
@@ -254,7 +170,7 @@ def against_guidellm(args: argparse.Namespace, folder: Path, work: Path) -> tupl
     trace.write_text("".join(json.dumps({"timestamp": float(t), "input_length": args.prompt_tokens,
                                          "output_length": args.output_tokens}) + "\n" for t in schedule))
     pairs: list[dict[str, Any]] = []
-    with process(labserver_cmd(args, port), url + "/health", work / "labserver-guidellm.log"):
+    with running(labserver_cmd(args, port), url + "/health", work / "labserver-guidellm.log"):
         warm(url, args.model)
         for k in range(args.pairs):
             order = ("guidellm", "labserver") if k % 2 == 0 else ("labserver", "guidellm")
@@ -274,8 +190,11 @@ def against_guidellm(args: argparse.Namespace, folder: Path, work: Path) -> tupl
     def per_pair(key: str) -> list[float]:
         return [p["labserver"][key] / p["guidellm"][key] for p in pairs]
 
-    med = lambda key: statistics.median(per_pair(key))  # noqa: E731
-    val = lambda tool, key: statistics.median(p[tool][key] for p in pairs)  # noqa: E731
+    def med(key: str) -> float:
+        return statistics.median(per_pair(key))
+
+    def val(tool: str, key: str) -> float:
+        return statistics.median(p[tool][key] for p in pairs)
     rows = []
     for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"), ("itl_mean_ms", "mean ITL"),
                        ("output_tps", "output tokens/s")):
@@ -296,7 +215,7 @@ def against_guidellm(args: argparse.Namespace, folder: Path, work: Path) -> tupl
 
 
 def against_peer(args: argparse.Namespace, folder: Path, work: Path) -> tuple[list[dict[str, Any]], Any]:
-    exe = peer_venv("hfserve", ["transformers[serving]==5.23.0"], "transformers")
+    exe = peer_venv(PEERS, "hfserve", ["transformers[serving]==5.23.0"], "transformers")
     runs: dict[str, Any] = {}
     for name in ("labserver", "transformers serve"):
         port = free_port()
@@ -304,10 +223,9 @@ def against_peer(args: argparse.Namespace, folder: Path, work: Path) -> tuple[li
         if name == "labserver":
             cmd, served, eos = labserver_cmd(args, port), args.model, {"ignore_eos": True}
         else:  # its /v1/models fails offline (it scans the hub cache): the name is the folder as given
-            cmd, served, eos = [str(exe), "serve", str(folder), "--continuous-batching", "--device", "cpu", "--port",
-                                str(port), "--host", "127.0.0.1"], str(folder), {"ignore_eos": False}
+            cmd, served, eos = transformers_serve(exe, folder, port), str(folder), {"ignore_eos": False}
         print(f"peer: {name} ...", file=sys.stderr)
-        with process(cmd, url + "/health", work / f"{name.replace(' ', '-')}.log"):
+        with running(cmd, url + "/health", work / f"{name.replace(' ', '-')}.log"):
             probe = httpx.post(url + "/v1/completions", timeout=120, json={
                 "model": served, "prompt": "hello", "max_tokens": 2, "ignore_eos": True})
             runs.setdefault("ignore_eos_probe", {})[name] = f"{probe.status_code} {probe.text[:160]}"
@@ -332,7 +250,7 @@ def door_cost(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, Any]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     pairs = []
-    with process(labserver_cmd(args, port), url + "/health", work / "labserver-door.log"):
+    with running(labserver_cmd(args, port), url + "/health", work / "labserver-door.log"):
         warm(url, args.model)
         for k in range(args.pairs):
             pair = {}
@@ -374,7 +292,7 @@ def main() -> int:
     numbers: dict[str, Any] = {"machine": machine_info("cpu"), "args": vars(args),
                                "command": " ".join(["python", *sys.argv])}
     rows: list[dict[str, Any]] = []
-    folder = model_folder(args.model)
+    folder = save_for_peer(args.model, PEERS / args.model)
     with tempfile.TemporaryDirectory(prefix="crosscheck-") as tmp:
         work = Path(tmp)
         for part, fn, call in (("guidellm", against_guidellm, (args, folder, work)),
@@ -384,7 +302,7 @@ def main() -> int:
                 continue
             try:
                 part_rows, raw = fn(*call)
-            except Exception as e:  # noqa: BLE001 - a part that cannot run keeps its row, with why
+            except Exception as e:  # a part that cannot run keeps its row, with why
                 logging.getLogger("crosscheck").exception("%s failed", part)
                 why = f"{type(e).__name__}: {e}"
                 part_rows, raw = [row(f"{part}: could not run here", math.nan, "-", None, why[:400])], {"error": why}

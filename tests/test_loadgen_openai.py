@@ -21,7 +21,7 @@ import orjson
 import pytest
 
 import labserver
-from labserver import cli, wire
+from labserver import cli
 from labserver.load.apis import default_path, models_url, openai_body
 from labserver.load.arrivals import Gamma, make_arrival, take_payloads
 from labserver.load.openai_sse import OpenAIAnswer, spread

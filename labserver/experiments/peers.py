@@ -1,0 +1,128 @@
+"""Other servers beside labserver: their own venvs, the same weights, started and stopped from code.
+
+What ``benchmarks/crosscheck.py`` and notebook 8 share to measure a peer the way they
+measure labserver (with ``labserver.loadgen``, over HTTP only):
+
+- ``peer_venv``: a peer tool in its own virtual environment (``benchmarks/.peers/NAME``,
+  created on first use, torch pinned beside it: the tools ask for a newer, CUDA one);
+- ``save_for_peer``: a labserver model's seeded random weights and bundled vocabulary
+  saved as a transformers folder any peer can load offline. The folder names no EOS
+  token: ``transformers serve`` refuses the ``ignore_eos`` field (422) and these random
+  weights often choose EOS first, so without one a peer generates exactly the tokens
+  asked, as labserver does when asked with ``ignore_eos``. It also carries labserver's
+  chat template (``CHAT_TEMPLATE``), so a peer renders chats as labserver does;
+- ``running``: a server process for the length of a ``with`` block, ready once its
+  health URL answers 200, stopped (by its own pid) at the end;
+- ``transformers_serve``: the command line of transformers' own OpenAI-compatible server
+  with its continuous batching.
+
+Nothing here measures anything.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+__all__ = ["CHAT_TEMPLATE", "TORCH", "PeerUnavailable", "free_port", "peer_venv", "running", "save_for_peer",
+           "transformers_serve"]
+
+TORCH = "torch==2.13.0"  # pinned beside every peer: a looser spec pulls GBs of CUDA packages
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")  # labserver.server.openai.params'
+
+
+class PeerUnavailable(Exception):
+    """A peer that cannot run here (not installed, failed to start): the reason says which."""
+
+
+def peer_venv(root: str | Path, name: str, packages: Sequence[str], tool: str, *, install: bool = True) -> Path:
+    """``root/NAME/bin/TOOL``, creating the venv and installing ``packages`` (beside ``TORCH``) if missing."""
+    root = Path(root)
+    exe = root / name / "bin" / tool
+    if exe.exists():
+        return exe
+    if not install:
+        raise PeerUnavailable(f"{exe} is not installed (python benchmarks/crosscheck.py installs it)")
+    root.mkdir(parents=True, exist_ok=True)
+    print(f"installing {name} into {root / name} (once) ...", file=sys.stderr)
+    log = root / f"{name}-install.log"
+    with log.open("w") as out:
+        for cmd in ([sys.executable, "-m", "venv", str(root / name)],
+                    [str(root / name / "bin" / "pip"), "install", "-q", TORCH, *packages]):
+            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode:
+                raise PeerUnavailable(f"installing {name} failed: {' '.join(cmd)} (see {log})")
+    if not exe.exists():
+        raise PeerUnavailable(f"{name} installed, but {exe} is missing")
+    return exe
+
+
+def save_for_peer(spec: str, folder: str | Path) -> Path:
+    """labserver's generator ``spec`` (gpt2-random, gpt2-tiny-random) as a transformers folder, without EOS."""
+    folder = Path(folder)
+    if not (folder / "config.json").exists():
+        from ..models import load_model
+
+        model = load_model(spec, device="cpu")
+        tokenizer = model.tokenizer  # type: ignore[union-attr]
+        tokenizer.chat_template = CHAT_TEMPLATE
+        model.hf_model.save_pretrained(folder)  # type: ignore[union-attr]
+        tokenizer.save_pretrained(folder)
+    for name in ("config.json", "generation_config.json"):
+        doc = json.loads((folder / name).read_text())
+        if doc.get("eos_token_id") is not None:
+            doc["eos_token_id"] = None
+            (folder / name).write_text(json.dumps(doc, indent=2))
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def transformers_serve(exe: str | Path, folder: str | Path, port: int) -> list[str]:
+    """``transformers serve`` pinned to ``folder`` (requests name the model as ``str(folder)``), on CPU."""
+    return [str(exe), "serve", str(folder), "--continuous-batching", "--device", "cpu", "--port", str(port),
+            "--host", "127.0.0.1"]
+
+
+@contextmanager
+def running(cmd: Sequence[str], health_url: str, log_path: str | Path, timeout_s: float = 600,
+            cwd: str | Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """Run a server process until the block ends; ready once ``health_url`` answers 200."""
+    log_path = Path(log_path)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+        try:
+            end = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    tail = log_path.read_text()[-1500:]
+                    raise PeerUnavailable(f"{Path(cmd[0]).name} exited ({proc.returncode}) before it was ready: "
+                                          f"{tail}")
+                try:
+                    if httpx.get(health_url, timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > end:
+                    raise PeerUnavailable(f"{Path(cmd[0]).name} was not ready within {timeout_s:g} s")
+                time.sleep(0.5)  # a process start has no event to wait on: a bounded poll of its health
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
