@@ -66,3 +66,21 @@ def test_genperf_script_prints_every_target(tmp_path: Path) -> None:
             assert runs[f"{name}@{where}"]["tps"] > 0 and runs[f"{name}@{where}"]["errors"] == 0
     assert runs["gen-static@sat"]["idle_share"] > 0 and runs["gen-continuous@sat"]["idle_share"] == 0
     assert runs["offline_generate"]["useful_tps"] > 0 and runs["offline_engine"]["tps"] > 0
+
+
+def test_crosscheck_script_runs_its_own_part(tmp_path: Path) -> None:
+    """The /v1 door's part (the peers need their own venvs, installed by a full run, not here)."""
+    out = tmp_path / "crosscheck.json"
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "crosscheck.py"), "--model", "gpt2-tiny-random", "--pairs", "1",
+         "--door-seconds", "2", "--door-users", "4", "--skip", "guidellm,peer", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert run.returncode in (0, 1), run.stderr[-3000:]
+    numbers = json.loads(out.read_text())
+    (door,) = numbers["rows"]
+    assert door["target"].startswith("3 /v1/completions / /generate") and door["result"] in ("PASS", "FAIL")
+    assert math.isfinite(door["value"]) and door["value"] > 0 and door["result"] in run.stdout
+    pair = numbers["door"][0]
+    assert pair["openai-completions"]["n_ok"] > 0 and pair["labserver"]["n_ok"] > 0
+    assert out.with_suffix(".txt").read_text().startswith("$ python ")
