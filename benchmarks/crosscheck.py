@@ -27,7 +27,10 @@ Three parts, each printed as rows with a goal and PASS/FAIL (INFO where there is
    the same way from labserver's token times; its "TPOT" counts the first token
    ((last token - send) / tokens), so it is compared to that formula (INFO), not to
    labserver's TPOT; output tokens/s is total output tokens / (last answer - first send)
-   from each tool's own per-request times.
+   from each tool's own per-request times. And a referee: the server's own mean ITL in
+   each run, from its step log (a token is made when the step that computed it ends), so
+   a difference between the tools shows whether a tool read late or the server ran slower
+   while that tool loaded it (on two shared cores, a client's own CPU use slows the server).
 2. **A real peer**: ``transformers serve`` (transformers' own OpenAI-compatible server,
    ``--continuous-batching``, its own venv ``benchmarks/.peers/hfserve``) on the same
    GPT-2-shaped random weights saved to ``benchmarks/.peers/gpt2-random``, beside
@@ -107,6 +110,30 @@ def ours(result: LoadResult, keep: range | None = None) -> dict[str, float]:
             "output_tokens": int(n.sum()), "late_p99_ms": float(result.meta.get("late_ms_p99", math.nan))}
 
 
+def last_step(url: str) -> int:
+    """The id of the server's latest step (labserver's /stats), to tell the steps of the next run apart."""
+    steps = httpx.get(url + "/stats", params={"steps": 1}, timeout=30).json().get("recent_steps") or []
+    return int(steps[-1]["step"]) if steps else 0
+
+
+def server_itl_ms(url: str, after_step: int) -> float:
+    """The server's own mean ITL over the sequences it started after ``after_step``, from its step log:
+    a token is made at the end of the prefill or decode step that computed it (labserver's clock, no HTTP)."""
+    steps = httpx.get(url + "/stats", params={"steps": 20_000}, timeout=60).json()["recent_steps"]
+    times: dict[int, list[float]] = {}
+    for s in steps:
+        if s["step"] <= after_step:
+            continue
+        idle = set(s["idle"])
+        for sid in s["seqs"]:
+            if s["kind"] == "prefill":
+                times[sid] = [s["end_s"]]
+            elif sid in times and sid not in idle:
+                times[sid].append(s["end_s"])
+    gaps = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
+    return float(np.mean(gaps) * 1000) if gaps else math.nan
+
+
 def guidellm_figures(doc: dict[str, Any], skip: int) -> dict[str, float]:
     """Figures from guidellm's JSON, computed from its per-request records in schedule order, the first
     ``skip`` left out (as for labserver's: its first requests pay its start-up)."""
@@ -172,19 +199,24 @@ def against_guidellm(args: argparse.Namespace, folder: Path, work: Path) -> tupl
     pairs: list[dict[str, Any]] = []
     with running(labserver_cmd(args, port), url + "/health", work / "labserver-guidellm.log"):
         warm(url, args.model)
+        run_ours(url, args.model, schedule[:40], args)  # the server's caches grown at this load before pair 1
         for k in range(args.pairs):
             order = ("guidellm", "labserver") if k % 2 == 0 else ("labserver", "guidellm")
             pair: dict[str, Any] = {"order": list(order)}
             for tool in order:
                 print(f"pair {k + 1}/{args.pairs}: {tool} ...", file=sys.stderr)
+                before = last_step(url)
                 if tool == "guidellm":
                     pair["guidellm"] = guidellm_figures(run_guidellm(exe, url, args.model, folder, trace, work),
                                                         args.skip_requests)
                 else:
                     pair["result"] = run_ours(url, args.model, schedule, args)
+                pair[f"server_itl_ms_{tool}"] = server_itl_ms(url, before)
             # the same requests on both sides: guidellm's replay may leave out the trace's last line
             keep = range(args.skip_requests, pair["guidellm"]["requests_run"])
             pair["labserver"] = ours(pair.pop("result"), keep)
+            for tool in ("labserver", "guidellm"):
+                pair[tool]["server_itl_mean_ms"] = pair.pop(f"server_itl_ms_{tool}")
             pairs.append(pair)
 
     def per_pair(key: str) -> list[float]:
@@ -202,6 +234,15 @@ def against_guidellm(args: argparse.Namespace, folder: Path, work: Path) -> tupl
         rows.append(row(f"1 labserver / guidellm {label}", r, "0.95 .. 1.05", 0.95 <= r <= 1.05,
                         f"{val('labserver', key):.4g} vs {val('guidellm', key):.4g} (medians of {len(pairs)} pairs; "
                         f"per pair {', '.join(f'{ratio:.3f}' for ratio in per_pair(key))})"))
+    for tool in ("labserver", "guidellm"):
+        own = [p[tool]["itl_mean_ms"] / p[tool]["server_itl_mean_ms"] for p in pairs]
+        rows.append(row(f"1 {tool}'s mean ITL / the server's own, same run (its step log)", statistics.median(own),
+                        "(INFO)", None, f"{val(tool, 'itl_mean_ms'):.4g} vs {val(tool, 'server_itl_mean_ms'):.4g} ms; "
+                        f"per pair {', '.join(f'{x:.3f}' for x in own)}: near 1, the tool read what the server did"))
+    rows.append(row("1 the server's own mean ITL, during labserver's / during guidellm's runs",
+                    med("server_itl_mean_ms"), "(INFO)", None,
+                    f"{val('labserver', 'server_itl_mean_ms'):.4g} vs {val('guidellm', 'server_itl_mean_ms'):.4g} ms: "
+                    "below 1, the server itself ran slower while guidellm loaded it"))
     rows.append(row("1 labserver / guidellm TPOT as guidellm defines it (first token counted)", med("tpot_guidellm_ms"),
                     "(INFO)", None, f"{val('labserver', 'tpot_guidellm_ms'):.4g} vs "
                     f"{val('guidellm', 'tpot_guidellm_ms'):.4g} ms: (last token - send) / tokens"))
