@@ -1,0 +1,189 @@
+"""The block manager: invariants under random admit/grow/free/preempt sequences, and what each call promises."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from labserver.engine.blocks import BlockManager
+
+B = 4  # tokens per block in these tests: small, so sequences span many blocks
+
+
+def test_a_table_grows_a_block_at_a_time_and_release_frees_it() -> None:
+    m = BlockManager(4, B)
+    assert m.start(1, [1, 2, 3]) == 0 and m.tables[1] == []
+    assert m.grow(1, 3) and len(m.tables[1]) == 1
+    assert m.grow(1, 4) and len(m.tables[1]) == 1  # position 3 still fits the first block
+    assert m.grow(1, 5) and len(m.tables[1]) == 2
+    assert not m.grow(1, 4 * B + 1)  # 5 blocks: more than the pool
+    assert len(m.tables[1]) == 2  # all or nothing
+    assert (m.free, m.used, m.cached) == (2, 2, 0)
+    m.release(1)
+    m.release(99)  # unknown: ignored
+    assert (m.free, m.used, m.cached) == (4, 0, 0)
+    m.check()
+
+
+def test_the_block_freed_last_is_reused_first() -> None:
+    m = BlockManager(8, B)
+    m.start(1, [1])
+    m.grow(1, 1)
+    m.start(2, [1])
+    m.grow(2, 1)
+    first = m.tables[1][0]
+    m.release(1)
+    m.start(3, [1])
+    m.grow(3, 1)
+    assert m.tables[3] == [first]  # still warm in the CPU's cache
+
+
+def test_a_shared_prefix_is_computed_once() -> None:
+    m = BlockManager(16, B, prefix_cache=True)
+    prompt = list(range(10))  # blocks [0..3] [4..7] and a partial [8, 9]
+    assert m.start(1, prompt) == 0
+    m.grow(1, len(prompt))
+    m.computed(1, prompt, len(prompt))
+    assert m.match(prompt) == 8  # two whole blocks; the last token's block is never shared
+    other = [*range(8), 50, 51, 52]
+    assert m.cost(other, len(other)) == 1  # 3 blocks, 2 of them shared with a live table
+    assert m.start(2, other) == 8
+    assert m.tables[2] == m.tables[1][:2] and m.refs[m.tables[1][0]] == 2
+    assert m.match([*range(4), 99, 5, 6, 7, 8]) == 4  # the chain breaks at the second block
+    assert m.match(list(range(8))) == 4  # 8 tokens: the block holding the last token is computed anew
+    m.check()
+
+
+def test_cached_blocks_outlive_their_table_and_are_evicted_least_recent_first() -> None:
+    m = BlockManager(4, B, prefix_cache=True)
+    a = list(range(9))  # two whole blocks and one partial
+    m.start(1, a)
+    m.grow(1, 9)
+    m.computed(1, a, 9)
+    m.release(1)
+    assert (m.free, m.used, m.cached) == (2, 0, 2)  # the partial block is simply free
+    assert m.cost(a, 9) == 3  # the two hits stop being evictable: they count too
+    assert m.start(2, a) == 8  # reused after its table was gone
+    m.release(2)
+    m.start(3, [7, 7, 7, 7, 7])
+    assert m.grow(3, 5 + 2 * B)  # 4 blocks: the free one, then both cached ones are evicted
+    assert m.evicted == 2 and m.match(a) == 0
+    m.check()
+
+
+def test_the_tail_is_evicted_before_the_head() -> None:
+    m = BlockManager(4, B, prefix_cache=True)
+    a = list(range(13))
+    m.start(1, a)
+    m.grow(1, 13)
+    m.computed(1, a, 13)
+    m.release(1)  # three cached blocks, one free
+    m.start(2, [9])
+    m.grow(2, 2 * B)  # takes the free block and evicts one cached: the last one of the prefix
+    assert m.match(a) == 2 * B
+
+
+def test_without_prefix_caching_nothing_is_shared() -> None:
+    m = BlockManager(8, B)
+    a = list(range(10))
+    m.start(1, a)
+    m.grow(1, 10)
+    m.computed(1, a, 10)
+    assert m.match(a) == 0 and m.start(2, a) == 0
+    m.release(1)
+    assert m.cached == 0
+
+
+def test_bad_pools_and_a_second_table_are_refused() -> None:
+    with pytest.raises(ValueError):
+        BlockManager(0, B)
+    m = BlockManager(2, B)
+    m.start(1, [1])
+    with pytest.raises(ValueError, match="already"):
+        m.start(1, [1])
+
+
+class Sequences(RuleBasedStateMachine):
+    """Random sequences admitted, grown a token at a time, computed, finished or preempted.
+
+    Beside the manager, a pool of what each block *holds* (token ids where the model would
+    keep keys and values) is written as a model would write it. Reading every sequence back
+    through its table must give its own tokens: a shared block holds exactly what each sharer
+    would have computed, and no one's blocks were handed to someone else.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = BlockManager(12, B, prefix_cache=True)
+        self.pool: dict[int, list[int | None]] = {}
+        self.seqs: dict[int, list[int]] = {}  # owner -> its tokens
+        self.done: dict[int, int] = {}  # owner -> positions computed
+        self.next_owner = 1
+
+    def write(self, owner: int, upto: int) -> None:
+        table, tokens = self.m.tables[owner], self.seqs[owner]
+        for p in range(self.done[owner], upto):
+            slot = self.pool.setdefault(table[p // B], [None] * B)
+            slot[p % B] = tokens[p]
+        self.done[owner] = upto
+        self.m.computed(owner, tokens, upto)
+
+    @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+          rest=st.lists(st.integers(1, 3), min_size=1, max_size=9))
+    def admit(self, prefix: list[int], rest: list[int]) -> None:
+        tokens, owner = prefix + rest, self.next_owner
+        self.next_owner += 1
+        need, available = self.m.cost(tokens, len(tokens)), self.m.available
+        hit = self.m.match(tokens)
+        assert self.m.start(owner, tokens) == hit and hit < len(tokens)
+        if not self.m.grow(owner, len(tokens)):  # refused exactly when the cost was over what was available
+            assert need > available
+            self.m.release(owner)
+            return
+        assert need <= available and self.m.available == available - need
+        self.seqs[owner], self.done[owner] = tokens, hit
+        self.write(owner, len(tokens))  # the prefill: only the tokens after the hit are computed
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), token=st.integers(1, 3))
+    def decode(self, data: st.DataObject, token: int) -> None:
+        owner = data.draw(st.sampled_from(sorted(self.seqs)))
+        tokens = self.seqs[owner]
+        tokens.append(token)
+        if self.m.grow(owner, len(tokens)):
+            self.write(owner, len(tokens))
+        else:  # no block for it: preempted, as the paged strategy does
+            self.m.release(owner)
+            del self.seqs[owner], self.done[owner]
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def finish_or_leave(self, data: st.DataObject) -> None:
+        owner = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.m.release(owner)
+        del self.seqs[owner], self.done[owner]
+
+    @invariant()
+    def counts_are_exact(self) -> None:
+        self.m.check()
+        assert self.m.used == len({b for t in self.m.tables.values() for b in t})
+
+    @invariant()
+    def every_sequence_reads_back_its_own_tokens(self) -> None:
+        for owner, tokens in self.seqs.items():
+            table = self.m.tables[owner]
+            assert len(table) == self.m.blocks_for(len(tokens))
+            read = [self.pool[table[p // B]][p % B] for p in range(self.done[owner])]
+            assert read == tokens[:self.done[owner]]
+
+    def teardown(self) -> None:
+        for owner in list(self.seqs):
+            self.m.release(owner)
+        self.m.check()
+        assert self.m.used == 0  # every block free or cached once every sequence is gone
+
+
+Sequences.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_random_admit_grow_free_preempt = Sequences.TestCase
