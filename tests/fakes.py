@@ -88,14 +88,17 @@ class SteppedGen:
     def text(self, tokens: list[int]) -> str:
         return self.inner.text(tokens)
 
-    def prefill(self, seqs, sampling=None):  # type: ignore[no-untyped-def]
-        return self.inner.prefill(seqs, sampling)
+    def allocate_kv(self, blocks: int, block_tokens: int) -> None:
+        self.inner.allocate_kv(blocks, block_tokens)
 
-    def decode(self, seqs, sampling=None):  # type: ignore[no-untyped-def]
+    def prefill(self, chunks):  # type: ignore[no-untyped-def]
+        return self.inner.prefill(chunks)
+
+    def decode(self, chunks):  # type: ignore[no-untyped-def]
         self.entered.release()
         if not self.permits.acquire(timeout=30):
             raise RuntimeError("test never allowed the step")
-        return self.inner.decode(seqs, sampling)
+        return self.inner.decode(chunks)
 
     def release(self, seq_ids):  # type: ignore[no-untyped-def]
         self.inner.release(seq_ids)

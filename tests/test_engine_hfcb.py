@@ -13,6 +13,7 @@ import pytest
 from labserver.models.gpt2 import GPT2Gen, gpt2_random
 from labserver.engine.hfcb import PAGE_TOKENS, HFManager
 from labserver.models import ModelError
+from labserver.models.base import generate_alone
 
 WAIT_S = 30.0  # bound on every wait for the manager's thread (it normally takes well under a second)
 
@@ -67,11 +68,7 @@ def manager(gen: GPT2Gen) -> Iterator[HFManager]:
 
 def greedy(gen: GPT2Gen, ids: list[int], n: int, sid: int = 1) -> list[int]:
     """Our own forward pass's greedy tokens: the reference."""
-    tokens = gen.prefill([(sid, ids)])
-    while len(tokens) < n:
-        tokens += gen.decode([(sid, tokens[-1])])
-    gen.release([sid])
-    return tokens
+    return generate_alone(gen, ids, n, sid=sid)
 
 
 def manager_threads() -> list[str]:

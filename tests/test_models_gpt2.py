@@ -1,13 +1,13 @@
-"""Our GPT-2 forward pass and slot KV cache against transformers' own model (tiny, random weights, CPU)."""
+"""Our GPT-2 forward pass over a paged KV cache against transformers' own model (tiny, random weights, CPU)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from labserver.models import GenModel, load_model
+from labserver.engine.blocks import BlockManager
+from labserver.models import MEANINGLESS, Chunk, GenModel, InputRejected, ModelError, load_model
 from labserver.models.gpt2 import GPT2Gen, gpt2_random
-from labserver.models import MEANINGLESS, InputRejected, ModelError
 
 ATOL = 1e-4  # float32; the logits themselves are ~0.16 wide (random weights)
 
@@ -29,107 +29,144 @@ def prompt(gen: GPT2Gen, n: int, offset: int = 0) -> list[int]:
 
 
 class Tracker:
-    """Sequences by id, each checked against transformers at every step."""
+    """Sequences with block tables (small blocks, so they interleave in the pool), each step checked
+    against transformers over the sequence's whole context."""
 
-    def __init__(self, gen: GPT2Gen) -> None:
+    def __init__(self, gen: GPT2Gen, blocks: int = 64, block_tokens: int = 4, prefix_cache: bool = False) -> None:
         self.gen = gen
+        gen.allocate_kv(blocks, block_tokens)
+        self.blocks = BlockManager(blocks, block_tokens, prefix_cache=prefix_cache)
         self.ids: dict[int, list[int]] = {}  # seq id -> prompt + tokens so far
+        self.done: dict[int, int] = {}  # seq id -> positions computed
 
-    def prefill(self, seqs: list[tuple[int, list[int]]]) -> None:
-        logits = self.gen.prefill_logits(seqs)
-        for (sid, ids), row in zip(seqs, logits, strict=True):
-            torch.testing.assert_close(row, hf_next_logits(self.gen, ids), atol=ATOL, rtol=0)
-            self.ids[sid] = [*ids, int(row.argmax())]
+    def add(self, sid: int, ids: list[int]) -> int:
+        self.ids[sid] = list(ids)
+        self.done[sid] = self.blocks.start(sid, ids)
+        return self.done[sid]
+
+    def chunk(self, sid: int, n: int | None = None) -> Chunk:
+        start = self.done[sid]
+        end = len(self.ids[sid]) if n is None else start + n
+        assert self.blocks.grow(sid, end)
+        return Chunk(sid, self.ids[sid][start:end], start, tuple(self.blocks.tables[sid]),
+                     sample=end == len(self.ids[sid]))
+
+    def run(self, work: list[tuple[int, int | None]]) -> None:
+        """One call: each (sid, n) computes n of its pending tokens (None: all); checked, then the argmax appended."""
+        chunks = [self.chunk(sid, n) for sid, n in work]
+        rows = iter(self.gen.logits(chunks))
+        for c in chunks:
+            self.done[c.sid] = c.end
+            self.blocks.computed(c.sid, self.ids[c.sid], c.end)
+            if c.sample:
+                row = next(rows)
+                torch.testing.assert_close(row, hf_next_logits(self.gen, self.ids[c.sid]), atol=ATOL, rtol=0)
+                self.ids[c.sid].append(int(row.argmax()))
 
     def decode(self, sids: list[int]) -> None:
-        logits = self.gen.decode_logits([(s, self.ids[s][-1]) for s in sids])
-        for sid, row in zip(sids, logits, strict=True):
-            torch.testing.assert_close(row, hf_next_logits(self.gen, self.ids[sid]), atol=ATOL, rtol=0)
-            self.ids[sid].append(int(row.argmax()))
+        self.run([(s, None) for s in sids])
+
+    def release(self, sid: int) -> None:
+        self.blocks.release(sid)
+        self.gen.release([sid])
+        del self.ids[sid], self.done[sid]
 
 
 def test_logits_match_transformers_as_sequences_join_and_leave(gen: GPT2Gen) -> None:
     t = Tracker(gen)
-    t.prefill([(1, prompt(gen, 5)), (2, prompt(gen, 12, 100)), (3, prompt(gen, 2, 200))])  # one padded batch
+    for sid, ids in ((1, prompt(gen, 5)), (2, prompt(gen, 12, 100)), (3, prompt(gen, 2, 200))):
+        t.add(sid, ids)
+    t.run([(1, None), (2, None), (3, None)])  # three prompts of three lengths, one call
     for _ in range(3):
         t.decode([1, 2, 3])
-    t.gen.release([2])  # the middle row leaves: the last row (3) moves into it
-    assert gen.cache.ids == [1, 3] and gen.cache.row == {1: 0, 3: 1}
+    t.release(2)  # its blocks go back and are taken by the next
     for _ in range(2):
-        t.decode([3, 1])  # the caller's order need not be the rows' order
-    t.prefill([(4, prompt(gen, 9, 300))])  # joins later, shorter than some, longer than others
+        t.decode([3, 1])  # any order
+    t.add(4, prompt(gen, 9, 300))
+    t.run([(4, None)])  # joins later, shorter than some, longer than others
     for _ in range(3):
         t.decode([4, 1, 3])
-    t.decode([3])  # a subset: read by gather instead of the [:n] view
-    t.decode([1, 3, 4])
-    assert gen.cached == 3
-    assert gen.calls[:2] == [("prefill", (1, 2, 3)), ("decode", (1, 2, 3))]
+    t.decode([3])  # any subset
+    tables = [t.blocks.tables[s] for s in (1, 3, 4)]
+    assert any(b > a + 1 for table in tables for a, b in zip(table, table[1:]))  # blocks interleave in the pool
+    t.blocks.check()
 
 
-def test_cache_grows_past_its_first_size(gen: GPT2Gen) -> None:
+def test_a_prompt_in_pieces_equals_it_whole_and_decodes_ride_along(gen: GPT2Gen) -> None:
     t = Tracker(gen)
-    t.prefill([(1, prompt(gen, 3))])
-    first = gen.cache.k[0].shape
-    for _ in range(10):  # 3 -> 13 positions: at least two doublings
-        t.decode([1])
-    t.prefill([(2, prompt(gen, 4, 50)), (3, prompt(gen, 6, 90))])  # 1 -> 3 slots
-    t.decode([1, 2, 3])
-    assert gen.cache.k[0].shape[0] >= 3 > first[0] and gen.cache.k[0].shape[2] >= 14 > first[2]
+    t.add(1, prompt(gen, 6))
+    t.run([(1, None)])
+    t.add(2, prompt(gen, 23, 500))
+    t.run([(1, None), (2, 7)])  # a decode and the first 7 prompt tokens: one call (chunked prefill)
+    t.run([(1, None), (2, 9)])  # the next 9: queries attend over the cached 7 and, causally, each other
+    t.run([(2, None), (1, None)])  # the last 7, and the first token
+    whole = Tracker(gpt2_random(tiny=True, device="cpu"))
+    whole.add(2, prompt(gen, 23, 500))
+    whole.run([(2, None)])
+    assert whole.ids[2][-1] == t.ids[2][23]
 
 
-def greedy(gen: GPT2Gen, sid: int, ids: list[int], n: int) -> list[int]:
-    tokens = gen.prefill([(sid, ids)])
-    while len(tokens) < n:
-        tokens += gen.decode([(sid, tokens[-1])])
-    return tokens
+def test_a_cached_prefix_is_read_not_computed(gen: GPT2Gen) -> None:
+    t = Tracker(gen, prefix_cache=True)
+    shared = prompt(gen, 13, 700)  # three whole blocks of 4 and one token
+    t.add(1, shared + [3000, 3001])
+    t.run([(1, None)])
+    assert t.add(2, shared + [3100, 3101, 3102]) == 12  # 12 positions read from 1's blocks
+    assert t.blocks.tables[2] == t.blocks.tables[1][:3]
+    t.run([(2, None)])  # computes 4 tokens at positions 12..15 over the shared 12
+    t.decode([1, 2])
+    t.release(1)
+    t.decode([2])  # the shared blocks outlive the sequence that computed them
 
 
 def test_tokens_do_not_depend_on_batch_companions(gen: GPT2Gen) -> None:
     target = prompt(gen, 7, 500)
-    alone = greedy(gen, 1, target, 10)
-    gen.release([1])
-    # in company: a longer and a shorter one prefilled with it, one joining mid-way, one leaving
-    out = gen.prefill([(10, prompt(gen, 20, 40)), (11, target), (12, prompt(gen, 2, 70))])
-    last = dict(zip((10, 11, 12), out))
-    mine = [last[11]]
+    alone = Tracker(gen)
+    alone.add(11, target)
+    alone.run([(11, None)])
+    for _ in range(9):
+        alone.decode([11])
+    company = Tracker(gen)
+    for sid, ids in ((10, prompt(gen, 20, 40)), (11, target), (12, prompt(gen, 2, 70))):
+        company.add(sid, ids)
+    company.run([(10, None), (11, None), (12, None)])
     for step in range(9):
-        if step == 3:
-            last[13] = gen.prefill([(13, prompt(gen, 30, 90))])[0]
+        if step == 3:  # one joins: its first 10 prompt tokens ride along with the decodes, the rest next step
+            company.add(13, prompt(gen, 30, 90))
+            company.run([(13, 10), (11, None), (10, None), (12, None)])
+            continue
         if step == 5:
-            gen.release([10])
-            del last[10]
-        outs = gen.decode(list(last.items()))
-        last = dict(zip(last, outs))
-        mine.append(last[11])
-    assert mine == alone
+            company.release(10)
+        company.decode([s for s in (10, 11, 12, 13) if s in company.ids])
+    assert company.ids[11] == alone.ids[11]
 
 
-def test_release_frees_and_forgets(gen: GPT2Gen) -> None:
-    gen.prefill([(1, prompt(gen, 4)), (2, prompt(gen, 6))])
+def test_decode_needs_a_prefill_and_release_forgets(gen: GPT2Gen) -> None:
+    gen.allocate_kv(8, 4)
+    chunk = Chunk(1, [5, 6], 0, (0,))
+    assert len(gen.prefill([chunk])) == 1 and gen.cached == 1
     gen.release([1, 99])  # 99 was never there: ignored
-    assert gen.cached == 1
-    gen.release([2])
-    assert gen.cached == 0 and gen.cache.k[0].numel() == 0  # idle: the memory went back
+    assert gen.cached == 0
     with pytest.raises(ModelError, match="no cache"):
-        gen.decode([(1, 5)])
+        gen.decode([Chunk(1, [7], 2, (0,))])
 
 
-def test_prefill_is_all_or_nothing(gen: GPT2Gen) -> None:
-    gen.prefill([(7, prompt(gen, 3))])
-    too_long = [5] * (gen.max_context + 1)
-    with pytest.raises(ModelError, match="prompt lengths"):
-        gen.prefill([(1, prompt(gen, 4)), (2, too_long)])
-    with pytest.raises(ModelError, match="already cached"):
-        gen.prefill([(3, prompt(gen, 4)), (7, prompt(gen, 4))])
-    assert gen.cached == 1 and gen.cache.ids == [7]  # none of 1, 2, 3 kept anything
-    assert len(gen.prefill([(1, prompt(gen, 4)), (3, prompt(gen, 5))])) == 2  # the same ids are free to use
+def test_blocks_that_do_not_hold_the_positions_are_refused(gen: GPT2Gen) -> None:
+    gen.allocate_kv(4, 4)
+    with pytest.raises(ModelError, match="do not hold"):
+        gen.prefill([Chunk(1, list(range(2000, 2006)), 0, (0,))])  # 6 positions, one block of 4
+    with pytest.raises(ModelError, match="do not hold"):
+        gen.prefill([Chunk(1, [2000], 0, (9,))])  # no block 9 in a pool of 4
+    assert gen.cached == 0
 
 
-def test_decode_stops_at_the_context_limit(gen: GPT2Gen) -> None:
-    gen.prefill([(1, prompt(gen, gen.max_context - 1))])
-    token = gen.decode([(1, 5)])[0]  # the last free position
+def test_the_context_limit_is_kept(gen: GPT2Gen) -> None:
+    gen.allocate_kv(gen.max_context // 16 + 1, 16)
+    table = tuple(range(gen.max_context // 16 + 1))
+    last = gen.prefill([Chunk(1, prompt(gen, gen.max_context - 1), 0, table)])[0]
+    assert last is not None and len(gen.decode([Chunk(1, [last], gen.max_context - 1, table)])) == 1
     with pytest.raises(ModelError, match="context limit"):
-        gen.decode([(1, token)])
+        gen.decode([Chunk(1, [last], gen.max_context, table)])
 
 
 def test_encode_and_text(gen: GPT2Gen) -> None:
@@ -152,6 +189,7 @@ def test_load_by_spec() -> None:
     assert gen.eos_id == gen.tokenizer.sep_token_id == gen.hf_model.config.eos_token_id
     again = gpt2_random(tiny=True, device="cpu")  # the same seed: the same weights
     assert torch.equal(gen.hf_model.lm_head.weight, again.hf_model.lm_head.weight)
+    assert gen.kv.bytes_per_token == 2 * 2 * 64 * 4  # K and V, 2 layers, 64 wide, float32
 
 
 def test_full_size_loads_and_steps() -> None:
@@ -160,6 +198,7 @@ def test_full_size_loads_and_steps() -> None:
     config = gen.hf_model.config
     assert (config.n_layer, config.n_embd, config.n_head, config.vocab_size, gen.max_context) == (12, 768, 12, 30522,
                                                                                                   1024)
-    t = Tracker(gen)
-    t.prefill([(1, gen.encode("a short prompt"))])
+    t = Tracker(gen, blocks=8, block_tokens=16)
+    t.add(1, gen.encode("a short prompt"))
+    t.run([(1, None)])
     t.decode([1])

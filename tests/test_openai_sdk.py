@@ -164,11 +164,11 @@ def test_overloaded_is_a_503_the_sdk_raises() -> None:
 class FailsMidway(SyntheticGen):
     """Fails its third decode step: a failure after the first chunk."""
 
-    def decode(self, seqs, sampling=None):  # type: ignore[no-untyped-def]
+    def decode(self, chunks):  # type: ignore[no-untyped-def]
         if len([1 for kind, _ in self.calls if kind == "decode"]) == 2:
             self.calls.append(("decode", ()))
             raise ModelError("the step failed")
-        return super().decode(seqs, sampling)
+        return super().decode(chunks)
 
 
 def test_a_failure_mid_stream_is_an_error_the_sdk_raises() -> None:

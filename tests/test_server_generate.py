@@ -15,6 +15,7 @@ import labserver
 from labserver import wire
 from labserver.models import SyntheticGen
 from labserver.models import POISON
+from labserver.models.base import generate_alone
 
 from .fakes import SteppedGen
 from .test_server import assert_error, wait_until
@@ -234,11 +235,7 @@ def test_real_model_streams_every_token_in_order_and_matches_offline(tiny: Any) 
     # the served tokens are the model's own greedy tokens, whoever shared the steps
     sid = 10_000
     for k, prompt in enumerate(prompts):
-        ids, out = tiny.encode(prompt), []
-        out.append(tiny.prefill([(sid + k, ids)])[0])
-        while len(out) < 10 + 7 * k:
-            out.append(tiny.decode([(sid + k, out[-1])])[0])
-        tiny.release([sid + k])
+        out = generate_alone(tiny, tiny.encode(prompt), 10 + 7 * k, sid=sid + k)
         assert out == results[k][-1][1]["tokens"], k
 
 

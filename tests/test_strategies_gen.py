@@ -9,7 +9,7 @@ from labserver.strategies import Limits
 from labserver.strategies import make_strategy, strategy_names
 from labserver.engine.virtual import GenSimRun, simulate_gen
 
-LOCAL = ["gen-naive", "gen-static", "gen-continuous"]  # the ones with a step log (gen-hf-cb runs transformers)
+LOCAL = ["gen-naive", "gen-static", "gen-continuous", "gen-paged"]  # the ones with a step log (gen-hf-cb runs transformers)
 
 
 def sim(name: str, requests: list[tuple[float, int, int]], **limits: object) -> GenSimRun:
@@ -29,7 +29,7 @@ def decode_steps(run: GenSimRun) -> list:
 
 def test_registry_keeps_generation_apart() -> None:
     generate = strategy_names("generate")
-    assert set(generate) == {"gen-naive", "gen-static", "gen-continuous", "gen-hf-cb"}
+    assert set(generate) == {"gen-naive", "gen-static", "gen-continuous", "gen-paged", "gen-hf-cb"}
     assert not set(generate) & set(strategy_names("encode"))
     assert all(make_strategy(name).kind == "generate" and make_strategy(name).offload for name in generate)
 
@@ -53,8 +53,10 @@ def test_caps_are_respected(name: str, cap: int, kv: int | None) -> None:
     run = sim(name, mixed(40), max_batch_size=cap, max_kv_tokens=kv)
     assert max(len(s.seqs) for s in decode_steps(run)) <= cap
     if kv is not None:
-        assert max(s.kv_reserved for s in run.steps) <= kv
+        if name != "gen-paged":  # the reserving rules: prompt + max_new_tokens of all running fit the budget
+            assert max(s.kv_reserved for s in run.steps) <= kv
         assert max(s.kv_tokens for s in run.steps) <= kv
+        assert max(s.blocks_used for s in run.steps) * Limits().kv_block_tokens <= kv
     assert all(s.finished for s in run.seqs)
 
 

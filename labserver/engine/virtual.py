@@ -53,6 +53,11 @@ class VirtualQueue:
         self._queued: deque[Item] = deque()
         self._n = 0
 
+    skipped = 0  # (a virtual client never leaves)
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
     def clock(self) -> float:
         return self.now_s
 
@@ -185,12 +190,17 @@ class _VirtualFuture:
 
 
 class GenVirtualQueue(VirtualQueue):
-    """Scripted generation requests: (arrival_s, prompt_tokens, max_new_tokens) each."""
+    """Scripted generation requests: (arrival_s, prompt_tokens, max_new_tokens[, shared_prefix_tokens]) each.
 
-    def __init__(self, requests: Iterable[tuple[float, int, int]]) -> None:
+    Every prompt has its own tokens, except that the first ``shared_prefix_tokens`` of those
+    that give it are the same for all of them (what a prefix cache can share).
+    """
+
+    def __init__(self, requests: Iterable[tuple[float, ...]], eos_prob: float = 0.0) -> None:
         requests = sorted(requests)
-        super().__init__([t for t, _, _ in requests])
-        self._shapes = deque((p, n) for _, p, n in requests)
+        super().__init__([r[0] for r in requests])
+        self._shapes = deque((int(r[1]), int(r[2]), int(r[3]) if len(r) > 3 else 0) for r in requests)
+        self.eos_prob = eos_prob
         self.seqs: list[Any] = []  # every sequence created, in arrival order
 
     def advance(self, seconds: float) -> None:
@@ -200,8 +210,11 @@ class GenVirtualQueue(VirtualQueue):
     def _admit(self) -> None:
         while self._pending and self._pending[0] <= self.now_s:
             t = heapq.heappop(self._pending)
-            prompt, new = self._shapes.popleft()
-            seq = Seq(len(self.seqs) + 1, [1] * prompt, new, _VirtualFuture(self.clock), enqueued_s=t, ignore_eos=True)
+            prompt, new, shared = self._shapes.popleft()
+            sid = len(self.seqs) + 1
+            ids = [1 + i for i in range(min(shared, prompt))]
+            ids += [1 + (sid * 100_003 + i) % 49_999 for i in range(prompt - len(ids))]  # its own words
+            seq = Seq(sid, ids, new, _VirtualFuture(self.clock), enqueued_s=t, eos_prob=self.eos_prob, eos_seed=sid)
             self.seqs.append(seq)
             self._queued.append(seq)
 
@@ -213,31 +226,34 @@ class GenVirtualQueue(VirtualQueue):
 class GenSimRun:
     steps: list[Any]  # StepRecord per model call
     seqs: list[Any]  # Seq per request: enqueued_s, admitted_s, first_token_s, finished_s, future.settled_s
+    stats: dict[str, Any] = field(default_factory=dict)  # the engine's /stats at the end (preemptions, kv_blocks ...)
 
     def frames(self) -> tuple[Any, Any]:
-        """(steps, requests) as DataFrames; requests have ttft_ms, answered_ms (arrival -> answer)."""
+        """(steps, requests) as DataFrames; requests have ttft_ms, queue_ms, answered_ms (arrival -> answer)."""
         import pandas as pd
 
         steps = pd.DataFrame([vars(s) for s in self.steps])
         rows = [{"sid": s.sid, "arrival_s": s.enqueued_s, "prompt_tokens": len(s.prompt_ids),
-                 "max_new_tokens": s.max_new_tokens, "tokens": len(s.tokens),
+                 "max_new_tokens": s.max_new_tokens, "tokens": len(s.tokens), "cached_tokens": s.cached_tokens,
+                 "preemptions": s.preemptions, "queue_ms": (s.admitted_s - s.enqueued_s) * 1000,
                  "ttft_ms": (s.first_token_s - s.enqueued_s) * 1000,
                  "finished_ms": (s.finished_s - s.enqueued_s) * 1000,
                  "answered_ms": (s.future.settled_s - s.enqueued_s) * 1000} for s in self.seqs]
         return steps, pd.DataFrame(rows)
 
 
-def simulate_gen(strategy: Strategy, requests: Iterable[tuple[float, int, int]], *, prefill_ms: float = 20.0,
+def simulate_gen(strategy: Strategy, requests: Iterable[tuple[float, ...]], *, prefill_ms: float = 20.0,
                  step_ms: float = 10.0, per_token_ms: float = 0.0, per_seq_ms: float = 0.0) -> GenSimRun:
     """Every step a generation strategy would run for these requests, on one worker.
 
-    ``requests`` are (arrival_s, prompt_tokens, max_new_tokens); the model is
-    ``synthetic-gen`` (a prefill call costs ``prefill_ms + per_token_ms * prompt tokens``,
-    a decode step ``step_ms + per_seq_ms * sequences``), charged to the virtual clock.
-    It is the engine's own step loop (``StepEngine.step_loop``) with the strategy's own
-    ``admit``, run until every request is answered.
+    ``requests`` are (arrival_s, prompt_tokens, max_new_tokens), optionally with a fourth,
+    shared_prefix_tokens; the model is ``synthetic-gen`` (a prefill call costs
+    ``prefill_ms + per_token_ms * tokens``, a decode step ``step_ms + per_seq_ms * sequences``),
+    charged to the virtual clock. It is the engine's own step loop (``StepEngine.step_loop``)
+    with the strategy's own ``admit``, KV blocks, preemption and ``Limits`` (``eos_prob``
+    included), run until every request is answered.
     """
-    q = GenVirtualQueue(requests)
+    q = GenVirtualQueue(requests, eos_prob=strategy.limits.eos_prob)
     model = SyntheticGen(prefill_ms, step_ms, per_token_ms=per_token_ms, per_seq_ms=per_seq_ms, sleep=q.advance)
     engine = StepEngine(strategy, model, clock=q.clock)  # type: ignore[arg-type]
     engine.queue = q  # type: ignore[assignment]
@@ -250,4 +266,4 @@ def simulate_gen(strategy: Strategy, requests: Iterable[tuple[float, int, int]],
         pass
     finally:
         coro.close()
-    return GenSimRun(list(engine.steps), q.seqs)
+    return GenSimRun(list(engine.steps), q.seqs, engine.stats())

@@ -22,11 +22,17 @@ transformers are imported only when a real model is built, so the synthetic mode
 
 from __future__ import annotations
 
-from .base import (GREEDY, MEANINGLESS, POISON, GenModel, InputRejected, Model, ModelError, ModelLoadError,
+from .base import (GREEDY, MEANINGLESS, POISON, Chunk, GenModel, InputRejected, Model, ModelError, ModelLoadError,
                    OutOfMemory, Sampling, minilm_dir, pick_device, pick_dtype)
-from .synthetic import Echo, Synthetic, SyntheticGen, parse_synthetic, parse_synthetic_gen
+from .synthetic import (
+    Echo,
+    Synthetic,
+    SyntheticGen,
+    parse_synthetic,
+    parse_synthetic_gen,
+)
 
-__all__ = ["GEN_SPECS", "GREEDY", "MEANINGLESS", "POISON", "Echo", "GenModel", "InputRejected", "Model",
+__all__ = ["GEN_SPECS", "GREEDY", "MEANINGLESS", "POISON", "Chunk", "Echo", "GenModel", "InputRejected", "Model",
            "ModelError", "ModelLoadError", "OutOfMemory", "Sampling", "Synthetic", "SyntheticGen", "kind_of",
            "load_model", "minilm_dir", "parse_synthetic", "parse_synthetic_gen", "pick_device", "pick_dtype"]
 

@@ -3,12 +3,16 @@
 - ``Model`` (encoders): a callable from a list of texts to a list of outputs, one call
   per batch, with a cheap ``check`` for inputs it can never take.
 - ``GenModel`` (generators): the two steps of generation offered separately, so the
-  scheduler decides who joins and who leaves between them. ``prefill`` runs whole
-  prompts, keeps their KV cache under the engine's sequence ids and returns each one's
-  first new token; ``decode`` runs *one* step for every sequence named (each may be at a
-  different length); ``release`` frees their cache. ``prefill`` is all or nothing: if it
-  raises, it holds no cache for any of the sequences it was given, so the engine can
-  split the batch and retry each half.
+  scheduler decides who joins and who leaves between them. The model owns a pool of KV
+  memory in fixed-size blocks (``allocate_kv``); the engine owns the block tables, which
+  say where each sequence's positions live, and hands them in with the work. A model
+  call is a list of ``Chunk``: per sequence, the tokens to compute now, the position of
+  the first, and its block table. ``prefill`` runs prompt tokens (a whole prompt, what a
+  prefix cache did not hold, a piece of one, or a preempted sequence recomputed) and
+  returns the next token after each chunk that asks for one; ``decode`` runs *one* token
+  per sequence (each at its own length, none padded to another's); ``release`` tells it
+  that sequences are gone. Failed calls leave nothing to undo: the engine owns the tables,
+  so it can split a batch and retry each half.
 
 Errors: ``InputRejected`` is the client's fault (400), ``ModelError`` a right input
 that still failed (500), ``OutOfMemory`` a batch that may fit smaller (split and
@@ -24,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["GREEDY", "MEANINGLESS", "POISON", "GenModel", "InputRejected", "Model", "ModelError", "ModelLoadError",
-           "OutOfMemory", "Sampling", "Samplings", "minilm_dir", "pick_device", "pick_dtype", "position_seed"]
+__all__ = ["GREEDY", "MEANINGLESS", "POISON", "Chunk", "GenModel", "InputRejected", "Model", "ModelError",
+           "ModelLoadError", "OutOfMemory", "Sampling", "Samplings", "generate_alone", "minilm_dir", "pick_device",
+           "pick_dtype", "position_seed"]
 
 POISON = "__poison__"  # an input containing this fails inside the synthetic models (fault tests)
 MEANINGLESS = "random weights: these predictions are meaningless (compute cost only)"
@@ -91,9 +96,33 @@ def position_seed(seed: int, position: int) -> int:
     return (seed * 1_000_003 + position * 7_919) % (2**63 - 1)
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One sequence's share of a model call: the tokens to compute now and where their KV lives.
+
+    The sequence's tokens before ``start`` already have keys and values in the pool (computed
+    earlier, or shared from a prefix cache); ``tokens`` are at positions ``start, start + 1, ...``.
+    Position p's keys and values live in block ``blocks[p // block_tokens]`` at offset
+    ``p % block_tokens``, and ``blocks`` covers every position up to the last of ``tokens``.
+    """
+
+    sid: int  # the engine's sequence id (for the call log and error messages)
+    tokens: Sequence[int]  # computed now: a prompt or part of one, or (decode) the last token chosen
+    start: int  # position of tokens[0]: how many of the sequence's tokens precede it
+    blocks: Sequence[int]  # the sequence's block table
+    sample: bool = True  # choose the token after the last one (False: more of the prompt is still to come)
+    sampling: Sampling | None = None  # how (None: greedy)
+    prompt_len: int = 0  # how many of the sequence's tokens are its prompt (what follows was generated)
+
+    @property
+    def end(self) -> int:
+        """Positions the sequence holds once this chunk is computed."""
+        return self.start + len(self.tokens)
+
+
 @runtime_checkable
 class GenModel(Protocol):
-    """What the generation engine needs from a model. Sequence ids are the engine's."""
+    """What the generation engine needs from a model. Sequence ids and block tables are the engine's."""
 
     name: str
     note: str | None  # said in every answer (e.g. "random weights: ..."), None for a real model
@@ -109,16 +138,38 @@ class GenModel(Protocol):
     def text(self, tokens: list[int]) -> str:
         """A whole output's text."""
 
-    def prefill(self, seqs: list[tuple[int, list[int]]], sampling: Samplings = None) -> list[int]:
-        """Run these prompts, keep their cache under their ids, return each one's first new token
-        (chosen as ``sampling[i]`` says; the engine leaves the argument out when all are greedy,
-        so a greedy-only model need not take it)."""
+    def allocate_kv(self, blocks: int, block_tokens: int) -> None:
+        """Hold keys and values for ``blocks`` blocks of ``block_tokens`` positions (the engine's budget)."""
 
-    def decode(self, seqs: list[tuple[int, int]], sampling: Samplings = None) -> list[int]:
-        """One step: each (seq_id, last token) -> its next token. Sequences may differ in length."""
+    def prefill(self, chunks: list[Chunk]) -> list[int | None]:
+        """Compute these chunks (prompt tokens; in a chunked-prefill step also others' single decode
+        tokens), writing their KV where their tables say; a next token for each chunk with
+        ``sample``, None for the others."""
+
+    def decode(self, chunks: list[Chunk]) -> list[int]:
+        """One step: each chunk is one sequence's last token; returns each one's next token."""
 
     def release(self, seq_ids: list[int]) -> None:
-        """Forget these sequences' cache (unknown ids are ignored)."""
+        """These sequences are gone (finished, failed, left, preempted): forget them (unknown ids are ignored)."""
+
+
+def generate_alone(model: GenModel, prompt_ids: list[int], n: int, *, sid: int = 1,
+                   sampling: Sampling | None = None) -> list[int]:
+    """``n`` tokens for one prompt, alone: a prefill, then decode steps, in a pool just big enough.
+
+    The reference a served answer is checked against (it was batched with others, preempted,
+    chunked...). It takes the model's KV pool: not while a server is using the model.
+    """
+    block_tokens = 16
+    table = tuple(range(-(-(len(prompt_ids) + n) // block_tokens)))
+    model.allocate_kv(len(table), block_tokens)
+    p = len(prompt_ids)
+    tokens = model.prefill([Chunk(sid, prompt_ids, 0, table, sampling=sampling, prompt_len=p)])
+    while len(tokens) < n:
+        tokens += model.decode([Chunk(sid, [tokens[-1]], p + len(tokens) - 1, table, sampling=sampling,  # type: ignore[list-item]
+                                      prompt_len=p)])
+    model.release([sid])
+    return tokens  # type: ignore[return-value]
 
 
 def pick_device(device: str = "auto") -> str:

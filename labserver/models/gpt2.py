@@ -7,106 +7,36 @@ forward pass below is ours and short, so a lesson can show exactly what a decode
 computes and where the KV cache lives. The tokenizer is the bundled BERT uncased WordPiece
 vocabulary (30,522 tokens), so nothing is downloaded.
 
-The KV cache is a *slot* cache: per layer one K and one V tensor shaped
-``[slots, heads, length, head_dim]``. Each sequence owns one row (its slot) and its own
-length. Rows ``0..n-1`` are always exactly the n live sequences, so a step that decodes all
-of them reads the view ``[:n, :, :longest]`` (no copy), and a boolean mask hides each row's
-positions past its own length. Releasing a sequence moves the last live row into its place.
+The KV cache is paged (``labserver.models.kvcache``): one pool of blocks per layer, and
+every call names, per sequence, the tokens to compute, where they start and the block
+table that says where its positions live (``labserver.models.Chunk``). A call is one
+flattened row of every sequence's new tokens; at each layer their keys and values go to
+their slots, and each sequence attends over exactly its own positions: no padding to the
+longest live sequence. The engine owns the tables; this model owns the pool.
 
-What this is not: fast or frugal. Every row is padded to the longest live sequence (a paged
-cache, as in vLLM or transformers' ContinuousBatchingManager, is not); there are no fused
-kernels; and the text is meaningless (random weights). Tokens are chosen by
+What this is not: fast or frugal. There are no fused kernels (each sequence's positions
+are gathered into a contiguous copy at every layer, where vLLM's kernel reads the blocks
+in place), and the text is meaningless (random weights). Tokens are chosen by
 ``labserver.models.sampling.choose`` (greedy unless a request samples).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers import BertTokenizerFast, GPT2Config, GPT2LMHeadModel
 
-from .base import MEANINGLESS, InputRejected, ModelError, Samplings, minilm_dir, pick_device, pick_dtype
+from .base import MEANINGLESS, Chunk, InputRejected, ModelError, minilm_dir, pick_device, pick_dtype
+from .kvcache import CallPlan, PagedKV
 from .sampling import choose
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TINY", "GPT2Gen", "SlotCache", "gpt2_random"]
+__all__ = ["TINY", "GPT2Gen", "gpt2_random"]
 
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 512}  # ~1 ms a step: for tests
-
-# attend(layer, q, k, v) -> attention output; q/k/v are [batch, heads, tokens, head_dim]
-Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class SlotCache:
-    """K and V per layer, ``[slots, heads, length, head_dim]``; live row i is sequence ``ids[i]``.
-
-    It grows on demand (doubling slots or length, up to ``max_len``) by reallocating and
-    copying, so nothing large is allocated before it is needed, and it gives its memory back
-    when the last sequence leaves. Call it under ``torch.inference_mode()``.
-    """
-
-    def __init__(self, layers: int, heads: int, head_dim: int, max_len: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
-        self.layers, self.heads, self.head_dim = layers, heads, head_dim
-        self.max_len = max_len  # positions the model has (n_positions)
-        self.device, self.dtype = device, dtype
-        self.ids: list[int] = []  # row -> sequence id, rows 0..n-1
-        self.lengths: list[int] = []  # row -> tokens cached
-        self.row: dict[int, int] = {}  # sequence id -> row
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self._allocate(0, 0)
-
-    @property
-    def n(self) -> int:
-        return len(self.ids)
-
-    def _allocate(self, slots: int, length: int) -> None:
-        """New zeroed tensors holding the live rows' cache (zeros: a masked position must not be NaN)."""
-        used = max(self.lengths, default=0)
-        for store in (self.k, self.v):
-            for i in range(self.layers):
-                new = torch.zeros((slots, self.heads, length, self.head_dim), device=self.device, dtype=self.dtype)
-                if i < len(store):
-                    new[:self.n, :, :used] = store[i][:self.n, :, :used]
-                    store[i] = new
-                else:
-                    store.append(new)
-
-    def reserve(self, slots: int, length: int) -> None:
-        """Room for ``slots`` rows of ``length`` positions; grows by doubling so growing stays rare."""
-        if length > self.max_len:
-            raise ModelError(f"{length} positions asked for; this model has {self.max_len}")
-        have_slots, have_length = self.k[0].shape[0], self.k[0].shape[2]
-        if slots <= have_slots and length <= have_length:
-            return
-        self._allocate(max(slots, 2 * have_slots) if slots > have_slots else have_slots,
-                       min(self.max_len, max(length, 2 * have_length)) if length > have_length else have_length)
-
-    def commit(self, seq_ids: list[int], lengths: list[int]) -> None:
-        """Rows n..n+len-1, already written, now belong to these sequences."""
-        for sid, length in zip(seq_ids, lengths, strict=True):
-            self.row[sid] = self.n
-            self.ids.append(sid)
-            self.lengths.append(length)
-
-    def release(self, seq_id: int) -> None:
-        """Forget one sequence: the last live row moves into its row, so rows 0..n-1 stay dense."""
-        i = self.row.pop(seq_id, None)
-        if i is None:
-            return
-        sid, length = self.ids.pop(), self.lengths.pop()
-        if i < self.n:  # it was not the last row: move the last one here
-            for t in (*self.k, *self.v):
-                t[i, :, :length] = t[self.n, :, :length]
-            self.ids[i], self.lengths[i], self.row[sid] = sid, length, i
-        if not self.ids:
-            self._allocate(0, 0)  # idle: give the memory back
-
 
 def _layer_norm(x: torch.Tensor, ln: torch.nn.LayerNorm) -> torch.Tensor:
     return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
@@ -124,7 +54,7 @@ def _split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class GPT2Gen:
-    """A GenModel over a GPT-2 made by transformers, run by ``_forward`` with a ``SlotCache``."""
+    """A GenModel over a GPT-2 made by transformers, run by ``_forward`` over a ``PagedKV`` pool."""
 
     def __init__(self, name: str, hf_model: GPT2LMHeadModel, tokenizer: BertTokenizerFast,
                  note: str | None = MEANINGLESS) -> None:
@@ -137,9 +67,9 @@ class GPT2Gen:
         self.calls: list[tuple[str, tuple[int, ...]]] = []  # (kind, seq ids) per prefill/decode call
         self._pieces = tokenizer.convert_ids_to_tokens(list(range(config.vocab_size)))
         self._special = set(tokenizer.all_special_ids)
+        self._live: set[int] = set()  # sequences prefilled and not released
         weight = hf_model.lm_head.weight
-        self.cache = SlotCache(config.n_layer, config.n_head, config.n_embd // config.n_head,
-                               config.n_positions, weight.device, weight.dtype)
+        self.kv = PagedKV(config.n_layer, config.n_head, config.n_embd // config.n_head, weight.device, weight.dtype)
 
     # -- text <-> tokens ------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -162,20 +92,20 @@ class GPT2Gen:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     # -- the forward pass -----------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """GPT-2 over [batch, tokens] ids at their positions -> final hidden states [batch, tokens, width].
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: CallPlan) -> torch.Tensor:
+        """GPT-2 over one flattened call ([tokens] ids at their positions) -> final hidden states [tokens, width].
 
-        ``attend`` is where prefill and decode differ: which keys and values each query sees
-        and where the new ones are stored.
+        Every layer is the usual block; only attention reads beyond the call's own tokens:
+        ``PagedKV.attend`` stores their keys and values and lets each sequence see its own.
         """
         gpt = self.hf_model.transformer
         heads = self.hf_model.config.n_head
-        x = gpt.wte(ids) + gpt.wpe(positions)
+        x = gpt.wte(ids) + gpt.wpe(positions)  # [tokens, width]
+        t, width = x.shape
         for i, block in enumerate(gpt.h):
             qkv = _conv1d(_layer_norm(x, block.ln_1), block.attn.c_attn)
-            q, k, v = (_split_heads(t, heads) for t in qkv.split(x.shape[-1], dim=-1))
-            a = attend(i, q, k, v).transpose(1, 2).reshape(x.shape)  # heads back into the width
-            x = x + _conv1d(a, block.attn.c_proj)
+            q, k, v = (part.view(t, heads, width // heads) for part in qkv.split(width, dim=-1))
+            x = x + _conv1d(self.kv.attend(i, q, k, v, plan).reshape(t, width), block.attn.c_proj)
             h = F.gelu(_conv1d(_layer_norm(x, block.ln_2), block.mlp.c_fc), approximate="tanh")  # "gelu_new"
             x = x + _conv1d(h, block.mlp.c_proj)
         return _layer_norm(x, gpt.ln_f)
@@ -183,94 +113,50 @@ class GPT2Gen:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.hf_model.lm_head.weight.T  # tied to wte; no bias
 
-    # -- the two steps --------------------------------------------------------------------
-    @torch.inference_mode()
-    def prefill_logits(self, seqs: list[tuple[int, list[int]]]) -> torch.Tensor:
-        """Right-padded prompts in one batch -> next-token logits [batch, vocab]; their K/V join the cache."""
-        self.calls.append(("prefill", tuple(s for s, _ in seqs)))
-        sids = [s for s, _ in seqs]
-        if len(set(sids)) < len(sids) or any(s in self.cache.row for s in sids):
-            raise ModelError(f"prefill of sequence ids already cached or repeated: {sids}")
-        lengths = [len(p) for _, p in seqs]
-        if not all(0 < n <= self.max_context for n in lengths):
-            raise ModelError(f"prompt lengths {lengths}: each must be 1..{self.max_context} tokens")
-        b, t, n, dev = len(seqs), max(lengths), self.cache.n, self.cache.device
-        ids = torch.full((b, t), self.tokenizer.pad_token_id, dtype=torch.long, device=dev)
-        for row, (_, prompt) in enumerate(seqs):
-            ids[row, :len(prompt)] = torch.tensor(prompt, device=dev)
-        lens = torch.tensor(lengths, device=dev)
-        pos = torch.arange(t, device=dev)
-        self.cache.reserve(n + b, t)
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.cache.k[layer][n:n + b, :, :t] = k  # rows past n: not live until commit
-            self.cache.v[layer][n:n + b, :, :t] = v
-            # causal alone suffices: padding sits *after* each prompt, so no real token ever sees it
-            # (pads see pads and real tokens; their outputs are thrown away)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        hidden = self._forward(ids, pos.expand(b, t), attend)
-        logits = self._logits(hidden[torch.arange(b, device=dev), lens - 1])  # each prompt's last real token
-        self.cache.commit(sids, lengths)  # only now: a failure above leaves no cache behind
-        return logits
+    # -- the two steps (one computation: a decode is a chunk of one token) ------------------
+    def allocate_kv(self, blocks: int, block_tokens: int) -> None:
+        self.kv.allocate(blocks, block_tokens)
+        self._live.clear()
 
     @torch.inference_mode()
-    def decode_logits(self, seqs: list[tuple[int, int]]) -> torch.Tensor:
-        """One step for each (seq id, last token) -> logits [batch, vocab]; each K/V lands at its own position."""
-        self.calls.append(("decode", tuple(s for s, _ in seqs)))
-        cache, dev = self.cache, self.cache.device
-        if len({s for s, _ in seqs}) < len(seqs):
-            raise ModelError(f"decode of a sequence twice in one step: {[s for s, _ in seqs]}")
-        for sid, _ in seqs:
-            if sid not in cache.row:
-                raise ModelError(f"decode of sequence {sid}, which has no cache (never prefilled or released)")
-            if cache.lengths[cache.row[sid]] >= self.max_context:
-                raise ModelError(f"sequence {sid} is at the context limit ({self.max_context} tokens)")
-        order = sorted(range(len(seqs)), key=lambda j: cache.row[seqs[j][0]])  # compute in row order
-        rows = [cache.row[seqs[j][0]] for j in order]
-        rows_t = torch.tensor(rows, device=dev)
-        # the usual step decodes every live row: read the view [:n]; a subset needs a gather (a copy)
-        read = slice(0, cache.n) if rows == list(range(cache.n)) else rows_t
-        pos = torch.tensor([cache.lengths[r] for r in rows], device=dev)  # where each new token goes
-        width = int(pos.max()) + 1  # the longest row, including its new token
-        visible = torch.arange(width, device=dev)[None, :] <= pos[:, None]  # [b, keys]: its own tokens only
-        mask = visible[:, None, None, :]  # [b, 1 (heads), 1 (query), keys]
-        cache.reserve(cache.n, width)
+    def logits(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Compute the chunks; the next-token scores [chunks that sample, vocab], in call order."""
+        for c in chunks:
+            if not c.tokens or c.start < 0 or c.end > self.max_context:
+                raise ModelError(f"sequence {c.sid}: positions {c.start}..{c.end - 1} are not within the model's "
+                                 f"{self.max_context} (the context limit)")
+        dev = self.kv.device
+        plan = self.kv.plan(chunks)
+        ids = torch.tensor([t for c in chunks for t in c.tokens], device=dev)
+        positions = torch.tensor([p for c in chunks for p in range(c.start, c.end)], device=dev)
+        hidden = self._forward(ids, positions, plan)
+        last = torch.tensor([z - 1 for c, (_, z) in zip(chunks, plan.spans, strict=True) if c.sample], device=dev)
+        return self._logits(hidden.index_select(0, last))
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            keys, values = cache.k[layer], cache.v[layer]
-            keys[rows_t, :, pos] = k[:, :, 0]  # [b, heads, head_dim], each at its own row and position
-            values[rows_t, :, pos] = v[:, :, 0]
-            return F.scaled_dot_product_attention(q, keys[read, :, :width], values[read, :, :width], attn_mask=mask)
+    def _choose(self, chunks: list[Chunk]) -> list[int | None]:
+        picked = [c for c in chunks if c.sample]
+        tokens = iter(choose(self.logits(chunks), [c.end for c in picked], [c.sampling for c in picked], self.eos_id))
+        self._live.update(c.sid for c in chunks)
+        return [next(tokens) if c.sample else None for c in chunks]
 
-        tokens = torch.tensor([seqs[j][1] for j in order], device=dev)
-        logits = self._logits(self._forward(tokens[:, None], pos[:, None], attend)[:, 0])
-        for r in rows:
-            cache.lengths[r] += 1
-        out = torch.empty_like(logits)
-        out[torch.tensor(order, device=dev)] = logits  # back to the caller's order
-        return out
+    def prefill(self, chunks: list[Chunk]) -> list[int | None]:
+        self.calls.append(("prefill", tuple(c.sid for c in chunks)))
+        return self._choose(chunks) if chunks else []
 
-    def prefill(self, seqs: list[tuple[int, list[int]]], sampling: Samplings = None) -> list[int]:
-        if not seqs:
-            return []
-        return choose(self.prefill_logits(seqs), [len(p) for _, p in seqs], sampling, self.eos_id)
+    def decode(self, chunks: list[Chunk]) -> list[int]:
+        self.calls.append(("decode", tuple(c.sid for c in chunks)))
+        for c in chunks:
+            if c.sid not in self._live:
+                raise ModelError(f"decode of sequence {c.sid}, which has no cache (never prefilled or released)")
+        return self._choose(chunks) if chunks else []  # type: ignore[return-value]
 
-    def decode(self, seqs: list[tuple[int, int]], sampling: Samplings = None) -> list[int]:
-        if not seqs:
-            return []
-        logits = self.decode_logits(seqs)  # the step moved each sequence one position on
-        return choose(logits, [self.cache.lengths[self.cache.row[sid]] for sid, _ in seqs], sampling, self.eos_id)
-
-    @torch.inference_mode()  # the cache tensors are inference tensors: moving rows needs the mode too
     def release(self, seq_ids: list[int]) -> None:
-        for sid in seq_ids:
-            self.cache.release(sid)
+        self._live.difference_update(seq_ids)
 
     @property
     def cached(self) -> int:
-        """Sequences holding cache now (a leak shows here)."""
-        return self.cache.n
+        """Sequences the engine has not released (a leak shows here)."""
+        return len(self._live)
 
 
 def gpt2_random(tiny: bool = False, device: str = "auto", dtype: str = "auto", seed: int = 0) -> GPT2Gen:

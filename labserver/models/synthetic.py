@@ -6,12 +6,15 @@
   after ``?``: ``oom_above=N`` raises ``OutOfMemory`` for batches bigger than N.
 - ``echo``: no compute at all; returns each input's length.
 - ``synthetic-gen:PREFILL_MS+STEP_MS`` (a generator): a prefill call blocks PREFILL_MS
-  (+ ``per_token`` ms per prompt token), a decode step STEP_MS (+ ``per_seq`` ms per
+  (+ ``per_token`` ms per token in the call), a decode step STEP_MS (+ ``per_seq`` ms per
   sequence in the step): by default a step costs the same for 1 sequence or 64, the
-  memory-bound regime where batching decode steps is free. Tokens are words of the
-  prompt's vocabulary; a prompt containing ``__poison__`` fails its prefill;
-  ``eos_after=N`` ends every sequence after N tokens unless the request says
-  ``ignore_eos``. Every call is logged in ``calls`` (kind, seq ids).
+  memory-bound regime where batching decode steps is free. It keeps a KV pool of blocks as
+  the real models do, but what it stores at a position is a running signature of every token
+  up to it, read back through the block table: the next token is a function of the whole
+  context, so a wrong block table, a bad shared prefix or a lost token changes the output.
+  A prompt containing ``__poison__`` fails its prefill; ``eos_after=N`` ends every sequence
+  after N tokens unless the request says ``ignore_eos``. Every call is logged in ``calls``
+  (kind, seq ids).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import POISON, InputRejected, ModelError, OutOfMemory, Sampling, Samplings, position_seed
+from .base import POISON, Chunk, InputRejected, ModelError, OutOfMemory, position_seed
 
 __all__ = ["Echo", "Synthetic", "SyntheticGen", "parse_synthetic", "parse_synthetic_gen"]
 
@@ -92,13 +95,17 @@ def parse_synthetic(spec: str) -> Synthetic:
     return Synthetic(float(m["base"]), float(m["per"]), oom_above=oom)
 
 
+POISONED = 50_001  # the token encode() appends to a poisoned prompt (outside the words' range: never generated)
+_MOD = (1 << 61) - 1
+
+
 @dataclass
 class SyntheticGen:
     """A generator with a known cost per call and no compute: for strategy tests and lessons."""
 
     prefill_ms: float  # per prefill call
     step_ms: float  # per decode step
-    per_token_ms: float = 0.0  # prefill: extra per prompt token in the call
+    per_token_ms: float = 0.0  # prefill: extra per token in the call
     per_seq_ms: float = 0.0  # decode: extra per sequence in the step
     eos_after: int | None = None  # every sequence emits EOS as its N-th token (None: never)
     max_context: int = 4096
@@ -111,16 +118,15 @@ class SyntheticGen:
     def __post_init__(self) -> None:
         if not self.name:
             self.name = f"synthetic-gen:{self.prefill_ms:g}+{self.step_ms:g}"
-        self._length: dict[int, int] = {}  # seq id -> tokens generated so far
-        self._seed: dict[int, int] = {}  # seq id -> where its output starts in the vocabulary
-        self._prompt: dict[int, int] = {}  # seq id -> prompt tokens (a token's position = prompt + generated before it)
+        self._live: set[int] = set()  # sequences prefilled and not released
+        self.allocate_kv(0, 16)
 
     # -- text <-> tokens: word n of the vocabulary is token n + 1 (0 is EOS) ------------------
     def encode(self, prompt: str) -> list[int]:
         words = prompt.split()
         if not words:
             raise InputRejected("the prompt has no words")
-        return [1 + zlib.crc32(w.encode()) % 50_000 for w in words] + ([0] if POISON in prompt else [])
+        return [1 + zlib.crc32(w.encode()) % 50_000 for w in words] + ([POISONED] if POISON in prompt else [])
 
     def token_text(self, token: int) -> str:
         return "<eos>" if token == 0 else f" t{token}"
@@ -128,55 +134,77 @@ class SyntheticGen:
     def text(self, tokens: list[int]) -> str:
         return "".join(self.token_text(t) for t in tokens if t != 0)
 
-    def prefill_cost_ms(self, prompt_tokens: int) -> float:
-        return self.prefill_ms + self.per_token_ms * prompt_tokens
+    def prefill_cost_ms(self, tokens: int) -> float:
+        return self.prefill_ms + self.per_token_ms * tokens
 
     def step_cost_ms(self, n: int) -> float:
         return self.step_ms + self.per_seq_ms * n
 
-    # -- the two steps --------------------------------------------------------------------
-    def prefill(self, seqs: list[tuple[int, list[int]]], sampling: Samplings = None) -> list[int]:
-        self.calls.append(("prefill", tuple(s for s, _ in seqs)))
-        self.sleep(self.prefill_cost_ms(sum(len(p) for _, p in seqs)) / 1000)
-        if any(p and p[-1] == 0 for _, p in seqs):  # encode() marks a poisoned prompt with a trailing 0
-            raise ModelError("poisoned prompt")
-        for sid, prompt in seqs:
-            self._length[sid] = 1
-            self._seed[sid] = prompt[-1]
-            self._prompt[sid] = len(prompt)
-        return [self._token(sid, s) for (sid, _), s in zip(seqs, sampling or [None] * len(seqs), strict=True)]
+    # -- the KV pool: one signature per position ----------------------------------------------
+    def allocate_kv(self, blocks: int, block_tokens: int) -> None:
+        self.blocks, self.block_tokens = blocks, block_tokens
+        self.pool: dict[int, list[int | None]] = {}  # block -> the signature kept at each of its positions
 
-    def decode(self, seqs: list[tuple[int, int]], sampling: Samplings = None) -> list[int]:
-        self.calls.append(("decode", tuple(s for s, _ in seqs)))
-        self.sleep(self.step_cost_ms(len(seqs)) / 1000)
-        out = []
-        for (sid, _), s in zip(seqs, sampling or [None] * len(seqs), strict=True):
-            if sid not in self._length:
-                raise ModelError(f"decode of sequence {sid}, which has no cache (never prefilled or released)")
-            self._length[sid] += 1
-            out.append(self._token(sid, s))
+    def _slot(self, chunk: Chunk, position: int) -> tuple[list[int | None], int]:
+        i = position // self.block_tokens
+        if i >= len(chunk.blocks) or not 0 <= chunk.blocks[i] < self.blocks:
+            raise ModelError(f"sequence {chunk.sid}: position {position} has no block in {list(chunk.blocks)} "
+                             f"(pool of {self.blocks})")
+        return self.pool.setdefault(chunk.blocks[i], [None] * self.block_tokens), position % self.block_tokens
+
+    def _run(self, chunk: Chunk) -> int:
+        """Write the chunk's signatures, each from the one before it (read through the table); return the last."""
+        signature = 0
+        if chunk.start:
+            block, offset = self._slot(chunk, chunk.start - 1)
+            if block[offset] is None:
+                raise ModelError(f"sequence {chunk.sid}: position {chunk.start - 1} was never computed")
+            signature = block[offset]  # type: ignore[assignment]
+        for p, token in enumerate(chunk.tokens, chunk.start):
+            signature = (signature * 1_000_003 + token + 1) % _MOD
+            block, offset = self._slot(chunk, p)
+            block[offset] = signature
+        return signature
+
+    # -- the two steps --------------------------------------------------------------------
+    def prefill(self, chunks: list[Chunk]) -> list[int | None]:
+        self.calls.append(("prefill", tuple(c.sid for c in chunks)))
+        self.sleep(self.prefill_cost_ms(sum(len(c.tokens) for c in chunks)) / 1000)
+        if any(POISONED in c.tokens for c in chunks):
+            raise ModelError("poisoned prompt")
+        out: list[int | None] = []
+        for c in chunks:
+            signature = self._run(c)
+            out.append(self._token(c, signature) if c.sample else None)
+        self._live.update(c.sid for c in chunks)
         return out
 
-    def release(self, seq_ids: list[int]) -> None:
-        for sid in seq_ids:
-            for held in (self._length, self._seed, self._prompt):
-                held.pop(sid, None)
+    def decode(self, chunks: list[Chunk]) -> list[int]:
+        self.calls.append(("decode", tuple(c.sid for c in chunks)))
+        self.sleep(self.step_cost_ms(len(chunks)) / 1000)
+        for c in chunks:
+            if c.sid not in self._live:
+                raise ModelError(f"decode of sequence {c.sid}, which has no cache (never prefilled or released)")
+        return [self._token(c, self._run(c)) for c in chunks]
 
-    def _token(self, sid: int, sampling: Sampling | None = None) -> int:
-        """Greedy: the next word after the prompt's last; sampled: a word drawn per position (seeded: reproducible)."""
-        n = self._length[sid]
-        position = self._prompt[sid] + n - 1  # tokens before this one
-        if self.eos_after is not None and n >= self.eos_after and (sampling is None or position >= sampling.eos_from):
+    def release(self, seq_ids: list[int]) -> None:
+        self._live.difference_update(seq_ids)
+
+    def _token(self, chunk: Chunk, signature: int) -> int:
+        """Greedy: a word picked by the context's signature; sampled: a word drawn per position (seeded: reproducible)."""
+        position, s = chunk.end, chunk.sampling  # tokens before the one chosen
+        generated = position - chunk.prompt_len + 1  # its number among the generated tokens
+        if self.eos_after is not None and generated >= self.eos_after and (s is None or position >= s.eos_from):
             return 0
-        if sampling is None or sampling.greedy:
-            return 1 + (self._seed[sid] + n) % 50_000
-        draw = random.Random(position_seed(sampling.seed, position)) if sampling.seed is not None else random
+        if s is None or s.greedy:
+            return 1 + signature % 50_000
+        draw = random.Random(position_seed(s.seed, position)) if s.seed is not None else random
         return 1 + draw.randrange(50_000)
 
     @property
     def cached(self) -> int:
-        """Sequences holding cache now (a leak shows here)."""
-        return len(self._length)
+        """Sequences the engine has not released (a leak shows here)."""
+        return len(self._live)
 
 
 _SYNTHETIC_GEN = re.compile(r"^synthetic-gen:(?P<prefill>[0-9.]+)\+(?P<step>[0-9.]+)(?:\?(?P<opts>.*))?$")

@@ -1,0 +1,121 @@
+"""One generation request as the step engine sees it: a ``Seq``, from the queue through every step.
+
+A ``Seq`` stands alone: its prompt, the tokens made so far, how many of its positions hold
+keys and values in the KV cache (``computed``), its times and how it ended. It knows
+nothing of blocks (the engine keeps its block table) or of the model. A preempted sequence
+goes back to the queue with ``computed = 0`` and keeps its tokens: when it is admitted
+again, its prompt and those tokens are prefilled together, and the next token it makes is
+the next one its client receives (none repeated, none lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..models import Sampling
+from ..models.base import position_seed
+
+__all__ = ["Seq"]
+
+
+@dataclass(eq=False)
+class Seq:
+    """One generation request, from the queue through every step it takes part in."""
+
+    sid: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    future: Any  # resolves with this Seq when answered, or an exception; cancelled when the client leaves
+    enqueued_s: float  # clock time it joined the queue, s
+    deadline_s: float = math.inf  # no first token by then: 504, never prefilled (inf once it has one)
+    ignore_eos: bool = False
+    request_id: str = ""
+    sampling: Sampling | None = None  # how its tokens are chosen (None: greedy), min_tokens folded in as eos_from
+    stop: tuple[str, ...] = ()  # it finishes ("stop") once its text contains one of these
+    min_tokens: int = 0  # EOS does not end it before this many tokens
+    cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache, not computed (first admission)
+    eos_prob: float = 0.0  # stand-in for a trained model's EOS: after each token it ends with this probability
+    eos_seed: int = 0  # seeds those draws per position (the same request ends at the same token, preempted or not)
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "length" | "eos" | "stop" once finished
+    computed: int = 0  # positions (prompt, then tokens) whose keys and values are in the KV cache
+    preemptions: int = 0  # times its blocks were taken back and it was requeued to be recomputed
+    admitted_s: float = math.nan  # its first prefill started
+    first_token_s: float = math.nan
+    finished_s: float = math.nan  # its last token was made
+    steps: int = 0  # decode steps it took part in while generating
+    step_batch_sum: int = 0  # sum of those steps' sizes (for its mean batch)
+    _wake: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    @property
+    def reserve(self) -> int:
+        """KV-cache tokens this sequence may need: its prompt and every token it may generate."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    @property
+    def kv_tokens(self) -> int:
+        """Its context: prompt and tokens made (the last one's KV is computed by the next step)."""
+        return len(self.prompt_ids) + len(self.tokens)
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt_ids + self.tokens
+
+    @property
+    def pending(self) -> int:
+        """Tokens to compute before it can choose its next one (1 when it is decoding)."""
+        return self.kv_tokens - self.computed
+
+    @property
+    def decoding(self) -> bool:
+        """Prefilled: only its last token lacks KV, so one decode step makes the next."""
+        return bool(self.tokens) and self.pending == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def gone(self) -> bool:
+        """The client left, or the request was answered otherwise (timeout, shutdown)."""
+        return self.future.done() and not self.finished
+
+    def emit(self, token: int, now: float, eos_id: int | None, text: Callable[[list[int]], str] | None = None) -> None:
+        """Append a token; finish on a stop string, max_new_tokens or EOS; wake whoever streams it.
+
+        ``text`` (the model's detokenizer) is read only for a sequence with stop strings. With
+        ``eos_prob``, the token becomes EOS with that probability, drawn per position: a trained
+        model's end of answer, which nobody can know in advance (random weights never choose it).
+        """
+        if not self.tokens:
+            self.first_token_s = now
+            self.deadline_s = math.inf  # the deadline is for the first token: a preempted stream is not 504'd
+        may_end = not self.ignore_eos and len(self.tokens) >= self.min_tokens
+        if (self.eos_prob and may_end and eos_id is not None
+                and random.Random(position_seed(self.eos_seed, self.kv_tokens)).random() < self.eos_prob):
+            token = eos_id
+        self.tokens.append(token)
+        if self.stop and text is not None and any(s in text(self.tokens) for s in self.stop):
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        elif token == eos_id and may_end:
+            self.finish_reason = "eos"
+        if self.finished:
+            self.finished_s = now
+        self.wake()
+
+    def wake(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def next_change(self) -> asyncio.Future[None]:
+        """A future that completes at the next token (on the event loop; wait on it with ``future``)."""
+        if self._wake is None or self._wake.done():
+            self._wake = asyncio.get_running_loop().create_future()
+        return self._wake

@@ -1,0 +1,128 @@
+"""What every rule shares: the knobs (``Limits``), the base class, the registry by name.
+
+The rules themselves are in ``labserver.strategies.encode`` (encoders: when a batch
+leaves) and ``labserver.strategies.generate`` (gen-*: who joins the running batch);
+``labserver.strategies`` gathers them all. Nothing here knows HTTP, Starlette or torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+__all__ = ["STRATEGIES", "Admission", "Batch", "Clock", "Limits", "Queue", "Strategy", "describe", "make_strategy",
+           "register", "strategy_names"]
+
+# -- what a rule sees ----------------------------------------------------------------------
+
+
+class Queue(Protocol):
+    async def get(self, timeout_s: float | None = None) -> Any: ...
+
+    def empty(self) -> bool: ...
+
+    def putback(self, item: Any) -> None: ...
+
+
+Clock = Callable[[], float]
+Batch = tuple[list[Any], str]  # (items, dispatch reason)
+Admission = tuple[list[Any], str]  # (sequences to prefill now, why)
+
+
+@dataclass
+class Limits:
+    max_batch_size: int | None = 32  # items per model call (gen-*: sequences running together); None = no cap
+    max_wait_ms: float = 1.0  # how long a batch may wait for company, ms
+    max_queue: int | None = None  # queued requests before new ones get 503; None = unbounded
+    timeout_ms: float | None = None  # per-request deadline from arrival, ms; None = none
+    idle_dispatch: bool = True  # dispatch at once when nothing else is queued (deadline, thread)
+    target_ms: float = 100.0  # slo: the latency target (an SLO), ms; a batch may spend part of it waiting
+    # generation only (gen-* strategies)
+    max_kv_tokens: int | None = None  # KV-cache tokens the running sequences may hold; None: max_batch_size (at most
+    #   64) x the model's context
+    kv_block_tokens: int = 16  # tokens per KV block: the unit KV memory is taken and given back in
+    prefix_cache: bool = False  # prompts that begin alike share their KV blocks (whole blocks, keyed by tokens)
+    prefill: str = "eager"  # gen-continuous, gen-paged: "eager" prefills whole prompts between two steps; "budget"
+    #   at most max_prefill_tokens of them; "chunked" pieces of prompts inside each step, max_step_tokens in all
+    max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps under prefill="budget"
+    max_step_tokens: int = 256  # tokens one step computes under prefill="chunked": a decode's 1 each, then prompts
+    eos_prob: float = 0.0  # a stand-in for a trained model's EOS: each token ends its answer with this probability
+
+    def __post_init__(self) -> None:
+        for name, ok, rule in (
+            ("max_batch_size", self.max_batch_size is None or self.max_batch_size >= 1, ">= 1 or None"),
+            ("max_wait_ms", self.max_wait_ms >= 0, ">= 0"),
+            ("max_queue", self.max_queue is None or self.max_queue >= 1, ">= 1 or None"),
+            ("timeout_ms", self.timeout_ms is None or self.timeout_ms > 0, "> 0 or None"),
+            ("target_ms", self.target_ms > 0, "> 0"),
+            ("kv_block_tokens", self.kv_block_tokens >= 1, ">= 1"),
+            ("max_kv_tokens", self.max_kv_tokens is None or self.max_kv_tokens >= self.kv_block_tokens,
+             f">= kv_block_tokens ({self.kv_block_tokens}: one block) or None"),
+            ("prefill", self.prefill in ("eager", "budget", "chunked"), "'eager', 'budget' or 'chunked'"),
+            ("max_prefill_tokens", self.max_prefill_tokens >= 1, ">= 1"),
+            ("max_step_tokens", self.max_step_tokens >= 1 and (self.prefill != "chunked"
+                                                             or self.max_step_tokens > (self.max_batch_size or 0)),
+             ">= 1, and under prefill='chunked' more than max_batch_size (every decode takes one)"),
+            ("eos_prob", 0 <= self.eos_prob < 1, "in [0, 1)"),
+        ):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def cap(self) -> float:
+        return math.inf if self.max_batch_size is None else self.max_batch_size
+
+
+# -- the registry ---------------------------------------------------------------------------
+
+STRATEGIES: dict[str, type[Strategy]] = {}  # every rule by name, encoders and gen-*
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    taken = STRATEGIES.get(cls.name)
+    if taken is not None:
+        raise ValueError(f"strategy name {cls.name!r} is taken by {taken.__qualname__}")
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+def strategy_names(kind: str | None = None) -> list[str]:
+    """Registered names (of one kind, "encode" or "generate", or all): what the CLI offers."""
+    return [name for name, cls in STRATEGIES.items() if kind is None or cls.kind == kind]
+
+
+def describe(name: str) -> str:
+    """A strategy's one-line description: the first line of its docstring."""
+    doc = (STRATEGIES[name].__doc__ or "").strip()
+    return doc.splitlines()[0] if doc else ""
+
+
+def make_strategy(name: str | type[Strategy] | Strategy, limits: Limits | None = None) -> Strategy:
+    """A strategy from its name (or class, or an instance, returned as is)."""
+    if isinstance(name, Strategy):
+        return name
+    if isinstance(name, type):
+        return name(limits)
+    cls = STRATEGIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+    return cls(limits)
+
+
+class Strategy:
+    name: ClassVar[str] = ""
+    offload: ClassVar[bool] = False  # True: the model runs on its own thread, the loop stays free
+    kind: ClassVar[str] = "encode"  # "encode" | "generate": which engine and which endpoint serve it
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+
+    async def collect(self, queue: Queue, clock: Clock) -> Batch:
+        raise NotImplementedError
+
+    def observe(self, size: int, compute_ms: float) -> None:
+        """Called after every batch with its size and model time; a rule that learns costs uses it."""
+
+
