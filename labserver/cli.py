@@ -43,11 +43,22 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
     p.add_argument("--target-ms", type=float, default=_LIMITS.target_ms,
                    help="slo: the latency target; a batch may spend half of it waiting (default: %(default)s)")
     p.add_argument("--max-kv-tokens", type=int, default=None,
-                   help="gen-*: KV-cache tokens the running sequences may reserve (default: no cap)")
-    p.add_argument("--prefill", default=_LIMITS.prefill, choices=["eager", "budget"],
-                   help="gen-continuous: prefill all that fit at every step, or at most --max-prefill-tokens")
+                   help="gen-*: KV-cache tokens the running sequences may hold (default: max-batch x the model's "
+                        "context)")
+    p.add_argument("--kv-block-tokens", type=int, default=_LIMITS.kv_block_tokens,
+                   help="gen-*: tokens per KV block, the unit memory is taken in (default: %(default)s)")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="gen-*: prompts that begin alike share their KV blocks")
+    p.add_argument("--prefill", default=_LIMITS.prefill, choices=["eager", "budget", "chunked"],
+                   help="gen-continuous, gen-paged: prefill all that fit at every step, at most "
+                        "--max-prefill-tokens, or in pieces inside each step (--max-step-tokens)")
     p.add_argument("--max-prefill-tokens", type=int, default=_LIMITS.max_prefill_tokens,
-                   help="gen-continuous with --prefill budget (default: %(default)s)")
+                   help="with --prefill budget (default: %(default)s)")
+    p.add_argument("--max-step-tokens", type=int, default=_LIMITS.max_step_tokens,
+                   help="with --prefill chunked: tokens per step, decodes first (default: %(default)s)")
+    p.add_argument("--eos-prob", type=float, default=_LIMITS.eos_prob,
+                   help="gen-*: a stand-in for a trained model's EOS: each token ends its answer with this "
+                        "probability (random weights never choose EOS; default: %(default)s)")
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -59,8 +70,12 @@ def limits_from(args: argparse.Namespace) -> Limits:
         idle_dispatch=not args.no_idle_dispatch,
         target_ms=args.target_ms,
         max_kv_tokens=args.max_kv_tokens,
+        kv_block_tokens=args.kv_block_tokens,
+        prefix_cache=args.prefix_cache,
         prefill=args.prefill,
         max_prefill_tokens=args.max_prefill_tokens,
+        max_step_tokens=args.max_step_tokens,
+        eos_prob=args.eos_prob,
     )
 
 

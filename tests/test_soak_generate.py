@@ -61,9 +61,16 @@ async def one(client: httpx.AsyncClient, url: str, o: Outcome, k: int) -> None:
                     o.error_type = data.get("error", {}).get("type", "")
 
 
-@pytest.mark.parametrize("strategy, model_spec", [("gen-static", "synthetic"), ("gen-continuous", "synthetic"),
-                                                ("gen-continuous", "gpt2-tiny-random")])
-def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str) -> None:
+@pytest.mark.parametrize("strategy, model_spec, knobs", [
+    ("gen-static", "synthetic", {}), ("gen-continuous", "synthetic", {}),
+    ("gen-continuous", "gpt2-tiny-random", {}),
+    # paged in a pool of 10 blocks (8 sequences would want up to 24): preemptions all along
+    ("gen-paged", "synthetic", {"max_kv_tokens": 160}),
+    ("gen-paged", "synthetic", {"max_kv_tokens": 160, "prefix_cache": True, "prefill": "chunked",
+                                "max_step_tokens": 12, "kv_block_tokens": 2}),
+    ("gen-paged", "gpt2-tiny-random", {"max_kv_tokens": 160, "prefix_cache": True, "kv_block_tokens": 2}),
+])  # fmt: skip
+def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str, knobs: dict[str, Any]) -> None:
     # capacity: steps of 4 ms for up to 8 sequences, outputs of 4-40 tokens (mean 22): about
     # 8 / (22 * 4 ms) = 90 requests/s for continuous batching; we offer twice that. The tiny GPT-2
     # served 30-60 requests/s of these on 2 cores (the client on the same cores), depending on the
@@ -79,7 +86,7 @@ def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str) 
     n = 300
     plan = [Outcome(rng.randint(4, 40), rng.random() < poison, rng.randint(1, 3) if rng.random() < 0.1 else None)
             for _ in range(n)]
-    with labserver.serve(strategy, model, max_batch_size=8, max_queue=24, timeout_ms=400) as h:
+    with labserver.serve(strategy, model, max_batch_size=8, max_queue=24, timeout_ms=400, **knobs) as h:
 
         async def main() -> None:
             # a fresh connection per request: a kept-alive one can be reused by the client in the
@@ -115,7 +122,9 @@ def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str) 
     assert not [o for o in plan if o.status == 500 and not o.poison]
     # nothing computed for nobody, nothing leaked
     assert stats["computed_after_deadline"] == 0
-    assert stats["kv_tokens"] == 0 and model.cached == 0
+    assert stats["kv_tokens"] == 0 and model.cached == 0 and stats["kv_blocks"]["used"] == 0  # every block free
+    if strategy == "gen-paged":  # (or cached, for the prefix cache)
+        assert stats["preemptions"] > 0
     # leavers were dropped by the engine (exactly when is tests/test_genserver.py's business)
     assert stats["left_while_generating"] >= 1
     decoded = Counter(sid for kind, ids in model.calls if kind == "decode" for sid in ids)

@@ -41,7 +41,8 @@ __all__ = ["LAG_COLUMNS", "PROBE_COLUMNS", "STEP_COLUMNS", "Runs", "lag_in_run_c
 
 LAG_COLUMNS = ["label", "rate", "t_s", "lag_ms"]
 PROBE_COLUMNS = ["label", "rate", "t_s", "latency_ms", "status", "error"]
-STEP_COLUMNS = ["label", "rate", "step", "kind", "start_s", "end_s", "seqs", "idle", "kv_tokens", "kv_reserved"]
+STEP_COLUMNS = ["label", "rate", "step", "kind", "start_s", "end_s", "seqs", "idle", "kv_tokens", "kv_reserved",
+                "tokens", "prefilling", "preempted", "blocks_used", "blocks_cached", "blocks_free"]
 TOKEN_COLUMNS = ["label", "rate", "i", "k", "t_s"]
 
 

@@ -4,7 +4,9 @@
   latency over time, the event loop's lag, measured against queueing theory;
 - ``batches``: batch sizes, batches over time, and ``overview`` (all on one page);
 - ``tokens``: TTFT/TPOT/ITL CDFs, token throughput and TTFT against offered rate,
-  the step Gantt (one lane per KV slot), KV tokens over time, ``generation_overview``;
+  the step Gantt (one lane per sequence's stay, preemptions marked), ``generation_overview``;
+- ``kv``: KV-cache memory: tokens held and reserved, blocks used/cached/free over time,
+  time to first token split into queueing and the rest;
 - ``common``: what they share (records in, one colour per label, ``ax=None`` in, Axes out).
 
 Every helper takes ``ax=None``, returns the Axes and never changes global matplotlib
@@ -16,14 +18,16 @@ from __future__ import annotations
 from .batches import batch_gantt, batch_size_hist, overview
 from .requests import (latency_cdf, latency_over_time, latency_vs_throughput, loop_lag, request_timeline,
                        theory_vs_measured)
-from .tokens import (generation_overview, itl_cdf, kv_tokens, step_gantt, token_throughput_vs_rate, tpot_cdf,
-                     ttft_cdf, ttft_vs_rate)
+from .kv import kv_blocks, kv_tokens, ttft_split
+from .tokens import (generation_overview, itl_cdf, step_gantt, token_throughput_vs_rate, tpot_cdf, ttft_cdf,
+                     ttft_vs_rate)
 
 __all__ = [
     "batch_gantt",
     "batch_size_hist",
     "generation_overview",
     "itl_cdf",
+    "kv_blocks",
     "kv_tokens",
     "latency_cdf",
     "latency_over_time",
@@ -36,5 +40,6 @@ __all__ = [
     "token_throughput_vs_rate",
     "tpot_cdf",
     "ttft_cdf",
+    "ttft_split",
     "ttft_vs_rate",
 ]

@@ -16,12 +16,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
+from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from .. import analysis
 
 __all__ = ["Records", "get_ax", "busiest_runs", "label_colors", "empty", "frame_of", "label_groups", "legend", "ok_values",
-           "one_run", "plain_log_ticks"]
+           "one_run", "plain_log_ticks", "styled_legend", "time_scale"]
 
 Records = pd.DataFrame | Mapping[str, Any]  # a combined frame, or {label: frame | (frame, meta)}
 
@@ -53,6 +54,18 @@ def legend(ax: Axes, **kwargs: Any) -> None:
     handles, labels = ax.get_legend_handles_labels()
     if handles:
         ax.legend(handles, labels, **kwargs)
+
+
+def styled_legend(ax: Axes, styles: dict[str, str], **kwargs: Any) -> None:
+    """The labelled lines (colour: label), then one grey key line per line style."""
+    handles, names = ax.get_legend_handles_labels()
+    handles += [Line2D([], [], color="0.3", linestyle=style) for style in styles.values()]
+    ax.legend(handles, [*names, *styles], fontsize="small", **kwargs)
+
+
+def time_scale(span_s: float) -> tuple[float, str]:
+    """(factor, unit) for a time axis of this span: ms under 2 s, else s."""
+    return (1000.0, "ms") if span_s < 2.0 else (1.0, "s")
 
 
 def empty(ax: Axes, message: str) -> Axes:

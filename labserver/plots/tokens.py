@@ -26,18 +26,17 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from .. import analysis
 from .common import (Records, busiest_runs, empty, frame_of, get_ax, label_colors, label_groups, legend, one_run,
-                     plain_log_ticks)
+                     plain_log_ticks, styled_legend, time_scale)
+from .kv import NO_STEPS, kv_tokens
 from .requests import latency_cdf
 
 __all__ = [
     "generation_overview",
     "itl_cdf",
-    "kv_tokens",
     "step_gantt",
     "token_throughput_vs_rate",
     "tpot_cdf",
@@ -53,8 +52,8 @@ STATES = {
     "idle": ("idle: done, still computed", "#f6d2d2", "////"),
 }
 IDLE_HATCH_COLOR = "#c0504d"
+PREEMPT_COLOR = "#b22222"  # a cross where a sequence was preempted (its blocks taken back)
 MAX_HATCHED = 2000  # more idle bars than this are drawn pale but plain
-NO_STEPS = "no step log for this run\n(gen-hf-cb: the steps happen inside transformers)"
 
 
 # ---------------------------------------------------------------- token latency
@@ -119,13 +118,6 @@ def itl_cdf(tokens: Records, ax: Axes | None = None, *, records: Records | None 
 # ---------------------------------------------------------------- against offered rate
 
 
-def _styled_legend(ax: Axes, styles: dict[str, str], **kwargs: Any) -> None:
-    """The labelled lines (colour: label), then one grey key line per line style."""
-    handles, names = ax.get_legend_handles_labels()
-    handles += [Line2D([], [], color="0.3", linestyle=style) for style in styles.values()]
-    ax.legend(handles, [*names, *styles], fontsize="small", **kwargs)
-
-
 def _by_rate(summary: pd.DataFrame, columns: Sequence[str], by: str | None) -> list[tuple[Any, pd.DataFrame]]:
     if "rate" not in summary.columns or not set(columns) <= set(summary.columns):
         return []
@@ -181,7 +173,7 @@ def ttft_vs_rate(summary: pd.DataFrame, ax: Axes | None = None, *, slo_ms: float
     ax.set_ylabel("time to first token (ms, log scale)")
     ax.set_title("TTFT vs offered rate")
     ax.grid(True, which="major", alpha=0.3)
-    _styled_legend(ax, {"p99": "-", "p50": "--"})
+    styled_legend(ax, {"p99": "-", "p50": "--"})
     return ax
 
 
@@ -197,43 +189,49 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(int(x) for x in value)
 
 
-def _time_scale(span_s: float) -> tuple[float, str]:
-    return (1000.0, "ms") if span_s < 2.0 else (1.0, "s")
-
-
 def _slots(steps: pd.DataFrame) -> dict[str, list[tuple[float, float, int]]]:
     """``{state: [(start_s, end_s, lane), ...]}``: each sequence's consecutive steps in one state merged,
-    and under them (``held``) its whole stay, first step to last.
+    under them (``held``) its whole stay, first step to last, and ``preempted``: where a stay was cut.
 
-    A sequence takes the lowest lane free when it first appears and holds it
-    until its last step, as it holds its KV cache.
+    A sequence takes the lowest lane free when it first appears and holds it until its
+    last step, as it holds its KV cache; a preempted one gives its lane back, and when it
+    is recomputed later that is a new stay (maybe on another lane).
     """
     starts, ends = steps["start_s"].to_numpy(dtype=float), steps["end_s"].to_numpy(dtype=float)
-    visits: dict[int, list[tuple[int, str]]] = {}  # sid -> [(step position, state)], in order
-    for j, (kind, seqs, idle) in enumerate(zip(steps["kind"], steps["seqs"].map(_ids), steps["idle"].map(_ids))):
+    column = {name: steps[name].map(_ids) if name in steps.columns else pd.Series([()] * len(steps))
+              for name in ("seqs", "idle", "prefilling", "preempted")}
+    visits: dict[tuple[int, int], list[tuple[int, str]]] = {}  # (sid, stay) -> [(step position, state)], in order
+    stay: dict[int, int] = {}
+    cuts: list[tuple[int, tuple[int, int]]] = []  # (step position, the stay it ended)
+    for j, (kind, seqs, idle, prefilling, preempted) in enumerate(zip(steps["kind"], *column.values())):
+        for sid in preempted:  # taken out just before this call
+            if (sid, stay.get(sid, 0)) in visits:
+                cuts.append((j, (sid, stay.get(sid, 0))))
+            stay[sid] = stay.get(sid, 0) + 1
         for sid in seqs:
-            state = "prefill" if kind == "prefill" else "idle" if sid in idle else "decode"
-            visits.setdefault(sid, []).append((j, state))
-    lane_of: dict[int, int] = {}
+            state = "prefill" if kind == "prefill" or sid in prefilling else "idle" if sid in idle else "decode"
+            visits.setdefault((sid, stay.get(sid, 0)), []).append((j, state))
+    lane_of: dict[tuple[int, int], int] = {}
     free: list[int] = []  # lanes given back, lowest first
     held: list[tuple[int, int]] = []  # (last step position, lane), soonest released first
     lanes = 0
-    for sid, seen in sorted(visits.items(), key=lambda item: item[1][0][0]):  # stable: call order within a step
+    for key, seen in sorted(visits.items(), key=lambda item: item[1][0][0]):  # stable: call order within a step
         while held and held[0][0] < seen[0][0]:
             heapq.heappush(free, heapq.heappop(held)[1])
         if not free:
             free.append(lanes)
             lanes += 1
-        lane_of[sid] = heapq.heappop(free)
-        heapq.heappush(held, (seen[-1][0], lane_of[sid]))
-    out: dict[str, list[tuple[float, float, int]]] = {state: [] for state in STATES}
-    for sid, seen in visits.items():
-        out["held"].append((starts[seen[0][0]], ends[seen[-1][0]], lane_of[sid]))
+        lane_of[key] = heapq.heappop(free)
+        heapq.heappush(held, (seen[-1][0], lane_of[key]))
+    out: dict[str, list[tuple[float, float, int]]] = {state: [] for state in (*STATES, "preempted")}
+    for key, seen in visits.items():
+        out["held"].append((starts[seen[0][0]], ends[seen[-1][0]], lane_of[key]))
         begin = 0
         for n in range(1, len(seen) + 1):
             if n == len(seen) or seen[n][1] != seen[begin][1] or seen[n][0] != seen[n - 1][0] + 1:
-                out[seen[begin][1]].append((starts[seen[begin][0]], ends[seen[n - 1][0]], lane_of[sid]))
+                out[seen[begin][1]].append((starts[seen[begin][0]], ends[seen[n - 1][0]], lane_of[key]))
                 begin = n
+    out["preempted"] = [(starts[j], starts[j], lane_of[key]) for j, key in cuts]
     return out
 
 
@@ -241,10 +239,11 @@ def step_gantt(steps: Records, ax: Axes | None = None, *, max_steps: int | None 
                label: Any = None, rate: float | None = None, legend: bool = True) -> Axes:
     """Every sequence's life in the batch: one lane per slot, a bar over each step it was in.
 
-    Dark bars are decode steps, amber its prefill, pale hatched ones steps it
-    was computed in although already finished (request-level batching keeps it
-    until the batch's longest member is done), grey ones calls it sat out while
-    holding its KV cache (others' prefill stalls it). A freed lane goes to the next
+    Dark bars are decode steps, amber its prefill (or a piece of it, or its recompute),
+    pale hatched ones steps it was computed in although already finished (request-level
+    batching keeps it until the batch's longest member is done), grey ones calls it sat
+    out while holding its KV cache (others' prefill stalls it); a red cross marks a
+    preemption (it left its lane, to be recomputed later). A freed lane goes to the next
     sequence, so how full the lanes stay is how full the batch was. Draws one run
     (the given or first ``label`` and ``rate``), its first ``max_steps`` calls,
     with time from ``t0_s`` (default: the run's first step). No title: the caller
@@ -261,7 +260,7 @@ def step_gantt(steps: Records, ax: Axes | None = None, *, max_steps: int | None 
     if "idle" not in run.columns:
         run = run.assign(idle="")
     t0 = float(run["start_s"].min()) if t0_s is None else t0_s
-    scale, unit = _time_scale(float(run["end_s"].max()) - t0)
+    scale, unit = time_scale(float(run["end_s"].max()) - t0)
     slots = _slots(run)
     decode = run["kind"] != "prefill"
     in_decode = run.loc[decode, "seqs"].map(lambda v: len(_ids(v))).sum()
@@ -276,6 +275,10 @@ def step_gantt(steps: Records, ax: Axes | None = None, *, max_steps: int | None 
         hatch = hatch if len(verts) <= MAX_HATCHED else None  # hatching costs ~0.4 ms a bar to render
         ax.add_collection(PolyCollection(verts, facecolors=color, edgecolors=IDLE_HATCH_COLOR if hatch else "none",
                                          linewidths=0.0, hatch=hatch, label=name), autolim=False)
+    if slots["preempted"]:
+        x, _, lane = np.asarray(slots["preempted"], dtype=float).T
+        ax.scatter((x - t0) * scale, lane, marker="x", s=30, color=PREEMPT_COLOR, zorder=3,
+                   label=f"preempted ({len(x)})")
     lanes = 1 + max((lane for *_, lane in slots["held"]), default=0)
     ax.set_xlim(min(0.0, (float(run["start_s"].min()) - t0) * scale), (float(run["end_s"].max()) - t0) * scale)
     # lane 0 at the bottom, so the filled height is the batch size; room above the lanes for the legend
@@ -288,43 +291,6 @@ def step_gantt(steps: Records, ax: Axes | None = None, *, max_steps: int | None 
         handles, names = ax.get_legend_handles_labels()  # "waiting" last: it is the background
         ax.legend(handles[1:] + handles[:1], names[1:] + names[:1], loc="upper left", ncols=2, fontsize="x-small",
                   frameon=False)
-    return ax
-
-
-def kv_tokens(steps: Records, ax: Axes | None = None, *, capacity: float | None = None,
-              by: str | None = "label") -> Axes:
-    """KV-cache tokens held (solid) and reserved (dashed) after each step, one colour per label.
-
-    Reserved is prompt + ``max_new_tokens`` of every running sequence, what
-    admission budgets against; the gap to the solid line is room promised but
-    not (yet) used. ``capacity`` draws the budget (``max_kv_tokens``).
-    """
-    ax = get_ax(ax)
-    frame = frame_of(steps)
-    if frame.empty or "kv_tokens" not in frame.columns:
-        return empty(ax, NO_STEPS)
-    keys = [key for key in analysis.RUN_KEYS if key in frame.columns and frame[key].notna().any()]
-    runs = list(frame.groupby(keys, sort=False, dropna=False)) if keys else [((), frame)]
-    label_key = by if by in keys else None
-    colors = label_colors([lab for lab, _ in label_groups(frame, label_key)])
-    scale, unit = _time_scale(max(float((rows["end_s"] - rows["start_s"].min()).max()) for _, rows in runs))
-    for key, rows in runs:
-        key = dict(zip(keys, key if isinstance(key, tuple) else (key,)))
-        rows = rows.sort_values("step", kind="stable")
-        t = (rows["end_s"].to_numpy(dtype=float) - float(rows["start_s"].min())) * scale
-        name = " @ ".join(f"{v:g}/s" if k == "rate" else str(v) for k, v in key.items() if pd.notna(v)) or "_nolegend_"
-        color = colors[key.get(label_key)]
-        ax.plot(t, rows["kv_tokens"], drawstyle="steps-post", color=color, label=name)
-        if "kv_reserved" in rows.columns:
-            ax.plot(t, rows["kv_reserved"], drawstyle="steps-post", linestyle="--", color=color, label="_nolegend_")
-    if capacity is not None:
-        ax.axhline(capacity, color="0.3", linestyle=":", label=f"capacity {capacity:g}")
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel(f"time since first step ({unit})")
-    ax.set_ylabel("KV-cache tokens")
-    ax.set_title("KV cache")
-    ax.grid(True, alpha=0.3)
-    _styled_legend(ax, {"in use": "-", "reserved": "--"}, loc="upper right")
     return ax
 
 

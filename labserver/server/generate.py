@@ -117,7 +117,8 @@ def timing(seq: Seq, t0: float, now: float) -> dict[str, Any]:
         return None if math.isnan(t_s) else round((t_s - t0) * 1000, 3)
 
     return {"queue_ms": ms(seq.admitted_s), "ttft_ms": ms(seq.first_token_s), "server_ms": ms(now),
-            "steps": seq.steps, "mean_step_batch": round(seq.step_batch_sum / seq.steps, 2) if seq.steps else None}
+            "steps": seq.steps, "mean_step_batch": round(seq.step_batch_sum / seq.steps, 2) if seq.steps else None,
+            "cached_tokens": seq.cached_tokens, "preemptions": seq.preemptions}
 
 
 def _event(kind: bytes, data: Any) -> bytes:

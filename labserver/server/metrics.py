@@ -68,6 +68,15 @@ class _RuntimeCollector:
             yield _gauge("running", "Sequences in the running batch", len(engine.running))
             yield _gauge("kv_tokens", "KV-cache tokens held", engine.running.kv_tokens)
             yield _histogram("step_size", "Sequences per decode step", g.step_sizes)
+            yield _counter("preemptions", "Sequences preempted for KV blocks (freed, requeued, recomputed)",
+                           g.preempted)
+            yield _counter("recomputed_tokens", "Tokens prefilled again after a preemption", g.recomputed_tokens)
+            yield _counter("prompt_tokens", "Prompt tokens of admitted sequences", g.prompt_tokens)
+            yield _counter("prefix_cached_tokens", "Prompt tokens served by the prefix cache", g.cached_tokens)
+            blocks = GaugeMetricFamily("labserver_kv_blocks", "KV-cache blocks by state", labels=["state"])
+            for state in ("used", "cached", "free"):
+                blocks.add_metric([state], getattr(engine.blocks, state))
+            yield blocks
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -162,9 +162,12 @@ class GenPaged(GenContinuous):
     name = "gen-paged"
 
     def fits(self, seq: Any, running: Running, joining: list[Any]) -> bool:
+        """Paging: the blocks its prompt needs now, and a spare block for every other running sequence
+        (each wants one within ``kv_block_tokens`` steps: without the spare, the newcomer would be
+        the first preempted, at once, over and over)."""
         if len(running) + len(joining) >= self.limits.cap:
             return False
-        return running.blocks_needed([*joining, seq]) <= running.free_blocks
+        return running.blocks_needed([*joining, seq]) + len(running) + len(joining) <= running.free_blocks
 
 
 @register
