@@ -148,3 +148,59 @@ def test_prefill_budget_spreads_prompts_over_steps() -> None:
 def test_prefill_budget_admits_a_prompt_larger_than_the_budget_alone() -> None:
     run = sim("gen-continuous", [(0.0, 500, 5)], prefill="budget", max_prefill_tokens=100)
     assert run.seqs[0].finished
+
+
+# -- KV memory: reservation against paging, chunked prefill ------------------------------------
+
+
+def eos_requests(n: int = 160, rate: float = 20.0, seed: int = 0) -> list[tuple[float, int, int]]:
+    """n requests asking 512 tokens each, prompts of 20-59 tokens, arriving faster than either rule serves."""
+    rng = np.random.default_rng(seed)
+    return [(float(t), int(p), 512) for t, p in zip(np.cumsum(rng.exponential(1 / rate, n)), rng.integers(20, 60, n))]
+
+
+def test_paging_runs_more_sequences_in_the_same_memory() -> None:
+    limits = {"max_batch_size": 64, "max_kv_tokens": 4096, "eos_prob": 1 / 128}
+    reserved, paged = sim("gen-continuous", eos_requests(), **limits), sim("gen-paged", eos_requests(), **limits)
+    assert [len(s.tokens) for s in paged.seqs] == [len(s.tokens) for s in reserved.seqs]  # the same answers
+    assert 64 < np.mean([len(s.tokens) for s in paged.seqs]) < 192  # asked 512, stopped near 128
+    size = {name: np.mean([len(s.seqs) for s in decode_steps(run)]) for name, run in (("r", reserved), ("p", paged))}
+    assert size["p"] > 2 * size["r"]  # reservation holds 4096 / (40 + 512): about 7
+    assert paged.steps[-1].end_s < 0.6 * reserved.steps[-1].end_s
+    assert reserved.stats["preemptions"] == 0 < paged.stats["preemptions"]
+    assert max(s.blocks_used for s in paged.steps) == 256  # it used the whole pool...
+    assert max(s.blocks_used for s in reserved.steps) < 0.5 * 256  # ...reservation never got near it
+
+
+def test_paging_keeps_first_come_first_served() -> None:
+    run = sim("gen-paged", eos_requests(60), max_batch_size=64, max_kv_tokens=2048, eos_prob=1 / 64)
+    first = {s.sid: s.admitted_s for s in run.seqs}
+    assert [sid for sid, _ in sorted(first.items(), key=lambda kv: (kv[1], kv[0]))] == sorted(first)
+    assert all(s.finished for s in run.seqs)
+
+
+def test_chunked_prefill_never_stalls_the_running_streams_for_a_whole_prompt() -> None:
+    requests = [(0.0, 8, 300), (0.0, 8, 300), (0.5, 1000, 5)]
+    costs = {"prefill_ms": 5, "step_ms": 10, "per_token_ms": 0.2}
+    eager = simulate_gen(make_strategy("gen-continuous", Limits(max_batch_size=8)), requests, **costs)
+    chunked = simulate_gen(make_strategy("gen-continuous", Limits(max_batch_size=8, prefill="chunked",
+                                                                  max_step_tokens=128)), requests, **costs)
+
+    def worst_gap(run: GenSimRun) -> float:
+        return max(np.diff([s.end_s for s in run.steps if 1 in s.seqs and 1 not in s.prefilling]))
+
+    assert worst_gap(eager) > 0.2  # the 1000-token prefill: 5 + 200 ms, the streams wait all of it
+    assert worst_gap(chunked) < 0.05  # at most 126 prompt tokens ride along in each step
+    assert max(s.tokens for s in chunked.steps) <= 128
+    assert [s.tokens for s in chunked.seqs] == [s.tokens for s in eager.seqs]
+
+
+def test_a_shared_prefix_on_the_virtual_clock_is_prefilled_once() -> None:
+    requests = [(i * 0.2, 600, 4, 512) for i in range(10)]  # 512 shared tokens, then 88 of its own
+    costs = {"prefill_ms": 5, "step_ms": 10, "per_token_ms": 0.2}
+    plain = simulate_gen(make_strategy("gen-continuous", Limits()), requests, **costs)
+    cached = simulate_gen(make_strategy("gen-continuous", Limits(prefix_cache=True)), requests, **costs)
+    ttft = {name: [s.first_token_s - s.enqueued_s for s in run.seqs] for name, run in (("p", plain), ("c", cached))}
+    assert [s.cached_tokens for s in cached.seqs] == [0] + [512] * 9
+    assert np.median(ttft["c"][1:]) < 0.3 * np.median(ttft["p"][1:])
+    assert cached.stats["prefix_cache"]["hit_rate"] == pytest.approx(9 * 512 / 6000)
