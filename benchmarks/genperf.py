@@ -195,26 +195,47 @@ def offline_generate(gen: Any, work: list[tuple[list[int], int]], batch: int, bu
 
 
 def offline_engine(gen: Any, work: list[tuple[list[int], int]], batch: int, budget_s: float) -> dict[str, float]:
-    """Our model's prefill/decode called directly, continuous-style: ``batch`` always running, endless supply."""
+    """Our model's prefill/decode called directly, continuous-style: ``batch`` always running, endless supply.
+
+    Its own block tables (a pool for ``batch`` sequences of full context, as a server's default): the
+    same paged calls a server makes, without the queue, the event loop or HTTP.
+    """
+    from labserver.engine.blocks import BlockManager
+    from labserver.models import Chunk
+
+    blocks = BlockManager(batch * gen.max_context // 16, 16)
+    gen.allocate_kv(blocks.total, blocks.block_tokens)
     supply, sids = itertools.cycle(work), itertools.count(1 << 40)  # ids far from any server's
-    running: dict[int, list[int]] = {}  # sid -> [last token, tokens still to make]
+    running: dict[int, list[Any]] = {}  # sid -> [prompt + tokens, tokens still to make, positions computed]
+
+    def chunk(sid: int) -> Chunk:
+        ids, _, done = running[sid]
+        blocks.grow(sid, len(ids))
+        return Chunk(sid, ids[done:], done, tuple(blocks.tables[sid]))
+
     tokens, t0 = 0, time.perf_counter()
     try:
         while time.perf_counter() - t0 < budget_s:
-            joining = [(next(sids), *next(supply)) for _ in range(batch - len(running))]
-            if joining:
-                firsts = gen.prefill([(sid, p) for sid, p, _ in joining])
-                running.update({sid: [tok, n - 1] for (sid, _, n), tok in zip(joining, firsts)})
-                tokens += len(joining)
-            done = [sid for sid, (_, left) in running.items() if left <= 0]
-            gen.release(done)
-            for sid in done:
-                del running[sid]
-            if running:
-                nxt = gen.decode([(sid, r[0]) for sid, r in running.items()])
-                for r, tok in zip(running.values(), nxt):
-                    r[0], r[1] = tok, r[1] - 1
-                tokens += len(running)
+            joining = [next(sids) for _ in range(batch - len(running))]
+            for sid in joining:
+                prompt, n = next(supply)
+                blocks.start(sid, prompt)
+                running[sid] = [list(prompt), n, 0]
+            for step in (gen.prefill, gen.decode):  # as the server's loop: prefill the joining, then one step for all
+                calls = joining if step is gen.prefill else list(running)
+                if not calls:
+                    continue
+                outs = step([chunk(sid) for sid in calls])
+                for sid, tok in zip(calls, outs):
+                    r = running[sid]
+                    r[0].append(tok)
+                    r[1], r[2] = r[1] - 1, len(r[0]) - 1
+                tokens += len(calls)
+                done = [sid for sid in calls if running[sid][1] <= 0]
+                gen.release(done)
+                for sid in done:
+                    blocks.release(sid)
+                    del running[sid]
     finally:
         gen.release(list(running))
     elapsed = time.perf_counter() - t0

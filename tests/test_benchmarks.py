@@ -84,3 +84,24 @@ def test_crosscheck_script_runs_its_own_part(tmp_path: Path) -> None:
     pair = numbers["door"][0]
     assert pair["openai-completions"]["n_ok"] > 0 and pair["labserver"]["n_ok"] > 0
     assert out.with_suffix(".txt").read_text().startswith("$ python ")
+
+
+def test_kvperf_quick_prints_every_target(tmp_path: Path) -> None:
+    out = tmp_path / "kvperf.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kvperf.py"), "--quick", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: some target failed, which a smoke run may
+    numbers = json.loads(out.read_text())
+    targets = [r["target"] for r in numbers["rows"]]
+    for prefix in ("1 paged/reserved tokens/s", "1 mean sequences per decode step", "2 prefix cache: p50 TTFT",
+                   "2 prefix cache: tokens/s", "2 prefix cache: hit rate", "3 chunked/eager p99 ITL",
+                   "3 chunked/eager tokens/s", "4 continuous/static saturated", "4 continuous served / our engine"):
+        assert any(t.startswith(prefix) for t in targets), (prefix, targets)
+    for r in numbers["rows"]:
+        assert isinstance(r["value"], float) and math.isfinite(r["value"]), r
+        assert r["result"] in ("PASS", "FAIL", "INFO") and r["target"] in run.stdout
+    memory = numbers["memory"]
+    assert memory["gen-paged"]["preemptions"] >= 0 and memory["gen-continuous"]["preemptions"] == 0
+    assert all(m["errors"] == 0 and m["tps"] > 0 for m in memory.values())
+    assert numbers["prefix"]["cached@sat"]["hit_rate"] > 0.5 and numbers["prefix"]["uncached@sat"]["hit_rate"] == 0
+    assert out.with_suffix(".txt").read_text().startswith("$ python ")

@@ -22,6 +22,7 @@ in place), and the text is meaningless (random weights). Tokens are chosen by
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -130,7 +131,8 @@ class GPT2Gen:
         ids = torch.tensor([t for c in chunks for t in c.tokens], device=dev)
         positions = torch.tensor([p for c in chunks for p in range(c.start, c.end)], device=dev)
         hidden = self._forward(ids, positions, plan)
-        last = torch.tensor([z - 1 for c, (_, z) in zip(chunks, plan.spans, strict=True) if c.sample], device=dev)
+        ends = itertools.accumulate(len(c.tokens) for c in chunks)  # each chunk's last row is its end - 1
+        last = torch.tensor([z - 1 for c, z in zip(chunks, ends, strict=True) if c.sample], device=dev)
         return self._logits(hidden.index_select(0, last))
 
     def _choose(self, chunks: list[Chunk]) -> list[int | None]:

@@ -1,22 +1,30 @@
 """The KV cache as a pool of blocks, and attention over it with no padding: what a model call reads and writes.
 
-Per layer, one K and one V tensor of ``blocks * block_tokens`` *slots*, each slot one
-position's keys (or values) for every head: ``[slots, heads, head_dim]``. Position p of a
+Per layer, one K and one V tensor of ``blocks * block_tokens`` *slots*, ``[slots, heads,
+head_dim]``: slot s holds one position's keys (or values) for every head. Position p of a
 sequence lives in slot ``table[p // block_tokens] * block_tokens + p % block_tokens`` of
-its block table: slots, not rows, so sequences of any lengths share the pool with no
-padding and a block freed by one is taken by the next (``labserver.engine.blocks`` says
-which blocks each sequence holds; this module only reads and writes them).
+its block table: sequences of any lengths share the pool with no padding, and a block
+freed by one is taken by the next (``labserver.engine.blocks`` says which blocks each
+sequence holds; this module only reads and writes them).
 
-A model call is flattened: the new tokens of every sequence in it (a whole prompt, a piece
-of one, or one decode token) in one row, ``[tokens, heads, head_dim]``. At every layer
-``attend`` first writes the new tokens' K and V to their slots, then, for each sequence,
-gathers the slots of its positions (``index_select``: a copy of exactly its own length)
-and runs attention for its queries over them, causal within its new tokens. On a GPU,
-vLLM reads the blocks in place inside its attention kernel; on a CPU without one, the
-gather is the price of paging, and it is paid per sequence for its own length only.
+A model call is flattened: the new tokens of every sequence in it (a whole prompt, a
+piece of one, or one decode token) in one row, ``[tokens, heads, head_dim]``. At every
+layer ``attend`` first writes the new tokens' K and V to their slots, then each sequence
+attends over exactly its own positions, read through its table:
 
-What this is not: fused or fast. The loop over sequences is Python, one attention call
-each (about 10 us of overhead a sequence a layer).
+- decode tokens (one query each): sorted by length and taken in groups of up to
+  ``GROUP``; each group gathers its sequences' positions (``index_select``: a copy) into
+  one batch padded only to the group's own longest, and runs one
+  ``scaled_dot_product_attention`` with a mask for each sequence's length. Sorting keeps
+  the padding to a few percent of the keys, where one batch padded to the longest live
+  sequence (a slot cache) computes up to twice what is needed;
+- prompt tokens: per chunk, a gather of its positions and one attention call, causal
+  within the new tokens (a piece after cached positions also sees all of those).
+
+On a GPU, vLLM's attention kernel reads the blocks in place; on a CPU without one, the
+gather is the price of paging (``docs/memory.md`` has what it costs on 2 cores).
+
+What this is not: fused or fast; no kernel reads the blocks in place.
 """
 
 from __future__ import annotations
@@ -32,15 +40,18 @@ from .base import Chunk, ModelError
 __all__ = ["CallPlan", "PagedKV"]
 
 
+GROUP = 8  # decoding sequences attended together (fewer calls, each padded to its own longest)
+
+
 @dataclass
 class CallPlan:
     """Where one call's tokens go and what each sequence reads, computed once for all layers."""
 
     write: torch.Tensor  # [tokens]: the slot of every new token, in call order
-    reads: list[torch.Tensor]  # per chunk: the slots of its positions 0 .. end - 1
-    spans: list[tuple[int, int]]  # per chunk: its new tokens' range in the call
-    masks: list[torch.Tensor | None]  # per chunk: [new, end] keys each query may see (None: all, or plain causal)
-    causal: list[bool]  # per chunk: its whole context is new (a prompt from its start): causal attention
+    decodes: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]  # per group of decoding sequences: their
+    #   rows in the call, the slots they read ([group x longest], padded), the longest, which keys are theirs
+    prompts: list[tuple[int, int, torch.Tensor, torch.Tensor | None, bool]]  # per prompt chunk: its rows a..z,
+    #   its positions' slots, the keys each query may see (None: all, or plain causal), causal
 
 
 class PagedKV:
@@ -69,23 +80,35 @@ class PagedKV:
 
     def plan(self, chunks: Sequence[Chunk]) -> CallPlan:
         """Check each chunk's table against the pool and turn positions into slots."""
-        dev, b = self.device, self.block_tokens
+        dev = self.device
         write: list[int] = []
-        reads, spans, masks, causal = [], [], [], []
+        decoders: list[tuple[int, list[int]]] = []  # (row in the call, the slots of all its positions)
+        prompts = []
         for c in chunks:
-            if len(c.blocks) * b < c.end or any(not 0 <= x < self.blocks for x in c.blocks):
+            if len(c.blocks) * self.block_tokens < c.end or any(not 0 <= x < self.blocks for x in c.blocks):
                 raise ModelError(f"sequence {c.sid}: blocks {list(c.blocks)} do not hold positions 0..{c.end - 1} "
                                  f"in a pool of {self.blocks}")
             every = self.slots(c.blocks, 0, c.end)
-            spans.append((len(write), len(write) + len(c.tokens)))
+            a, n = len(write), len(c.tokens)
             write += every[c.start:]
-            reads.append(torch.tensor(every, device=dev))
-            n = len(c.tokens)
-            causal.append(c.start == 0 and n > 1)
+            if n == 1:  # one query: it sees every position
+                decoders.append((a, every))
+                continue
             # a piece after cached positions: query j sees every key up to its own position start + j
-            masks.append(None if n == 1 or c.start == 0 else
-                         torch.arange(c.end, device=dev)[None, :] <= torch.arange(c.start, c.end, device=dev)[:, None])
-        return CallPlan(torch.tensor(write, device=dev), reads, spans, masks, causal)
+            mask = None if c.start == 0 else (torch.arange(c.end, device=dev)[None, :]
+                                              <= torch.arange(c.start, c.end, device=dev)[:, None])
+            prompts.append((a, a + n, torch.tensor(every, device=dev), mask, c.start == 0))
+        decoders.sort(key=lambda d: len(d[1]))
+        decodes = []
+        for i in range(0, len(decoders), GROUP):
+            group = decoders[i:i + GROUP]
+            longest = len(group[-1][1])
+            padded = [slots + slots[:1] * (longest - len(slots)) for _, slots in group]  # (padding: masked out)
+            lengths = torch.tensor([len(slots) for _, slots in group], device=dev)
+            mine = (torch.arange(longest, device=dev)[None, :] < lengths[:, None])[:, None, None, :]
+            decodes.append((torch.tensor([row for row, _ in group], device=dev),
+                            torch.tensor(padded, device=dev).flatten(), longest, mine))
+        return CallPlan(torch.tensor(write, dtype=torch.long, device=dev), decodes, prompts)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan) -> torch.Tensor:
         """q, k, v: [tokens, heads, head_dim] of the call's new tokens -> attention output, the same shape."""
@@ -93,9 +116,15 @@ class PagedKV:
         keys[plan.write] = k  # first every new token's K and V into its slot, then each sequence reads its own
         values[plan.write] = v
         out = torch.empty_like(q)
-        for (a, z), read, mask, causal in zip(plan.spans, plan.reads, plan.masks, plan.causal, strict=True):
-            kk = keys.index_select(0, read).transpose(0, 1)  # [heads, positions, head_dim]
-            vv = values.index_select(0, read).transpose(0, 1)
+        heads, dim = self.heads, self.head_dim
+        for rows, read, longest, mine in plan.decodes:
+            n = len(rows)
+            kk = keys.index_select(0, read).view(n, longest, heads, dim).transpose(1, 2)  # [n, heads, longest, dim]
+            vv = values.index_select(0, read).view(n, longest, heads, dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), kk, vv, attn_mask=mine)  # [n, heads, 1, dim]
+            out[rows] = o.squeeze(2)
+        for a, z, read, mask, causal in plan.prompts:
+            kk, vv = keys.index_select(0, read).transpose(0, 1), values.index_select(0, read).transpose(0, 1)
             o = F.scaled_dot_product_attention(q[a:z].transpose(0, 1), kk, vv, attn_mask=mask, is_causal=causal)
             out[a:z] = o.transpose(0, 1)
         return out
