@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import openai  # in the test extras: a missing SDK fails here rather than skipping
 import pytest
 
 import labserver
@@ -19,8 +20,6 @@ from labserver.models import ModelError, SyntheticGen
 
 from .fakes import SteppedGen
 from .test_server import wait_until
-
-openai = pytest.importorskip("openai")
 
 
 def client(h: labserver.ServerHandle, **options: Any) -> Any:
