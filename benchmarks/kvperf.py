@@ -101,7 +101,8 @@ def measure(h: labserver.ServerHandle, args: argparse.Namespace, warmup_s: float
 def memory(gen: Any, args: argparse.Namespace) -> dict[str, Any]:
     knobs = {"max_batch_size": 64, "max_kv_tokens": args.kv_tokens, "eos_prob": args.eos_prob,
              "max_new_tokens": args.ask}
-    load = {"users": args.users, "payload": TokenPrompts(UniformLength(16, 48)), "new_tokens": args.ask}
+    load = {"users": args.users, "payload": TokenPrompts(UniformLength(16, 48)), "new_tokens": args.ask,
+            "ignore_eos": False}  # the EOS stand-in ends answers only where the client lets EOS end them
     out = {}
     for name in (RESERVED, PAGED):
         print(f"1 memory: {name} ...", file=sys.stderr)

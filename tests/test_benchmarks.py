@@ -103,5 +103,6 @@ def test_kvperf_quick_prints_every_target(tmp_path: Path) -> None:
     memory = numbers["memory"]
     assert memory["gen-paged"]["preemptions"] >= 0 and memory["gen-continuous"]["preemptions"] == 0
     assert all(m["errors"] == 0 and m["tps"] > 0 for m in memory.values())
+    assert all(m["mean_tokens"] < 0.8 * numbers["args"]["ask"] for m in memory.values())  # EOS ended them early
     assert numbers["prefix"]["cached@sat"]["hit_rate"] > 0.5 and numbers["prefix"]["uncached@sat"]["hit_rate"] == 0
     assert out.with_suffix(".txt").read_text().startswith("$ python ")
