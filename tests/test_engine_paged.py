@@ -71,6 +71,38 @@ def test_a_preempted_sequence_is_recomputed_over_what_it_already_sent() -> None:
     assert victim.cached_tokens == 0 and victim.finish_reason == "length" and len(victim.tokens) == 40
 
 
+def test_a_preempted_sequence_the_prefix_cache_restores_to_its_last_token_is_prefilled_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # blocks of 2: a sequence preempted with an odd context finds every position but its last one in
+    # the cache; under chunked prefill it must still go through a prefill call (the model has not seen it
+    # since it was released), not into the next decode step
+    from labserver.engine.blocks import BlockManager
+
+    restored: list[int] = []
+    start = BlockManager.start
+
+    def watch(self: BlockManager, owner: int, tokens: list[int]) -> int:
+        hit = start(self, owner, tokens)
+        if hit == len(tokens) - 1 and hit > 0:
+            restored.append(owner)
+        return hit
+
+    monkeypatch.setattr(BlockManager, "start", watch)
+    model = SyntheticGen(0, 0)
+    texts, new = prompts(12), [12, 40, 8, 20, 11, 35, 32, 34, 28, 17, 10, 35]
+    roomy, _, _ = serve(model, texts, new, max_batch_size=8)
+    restored.clear()
+    tight, stats, steps = serve(model, texts, new, "gen-paged", max_batch_size=8, max_kv_tokens=80,
+                                kv_block_tokens=2, prefix_cache=True, prefill="chunked", max_step_tokens=12)
+    assert restored and stats["preemptions"] > 0
+    assert [s.tokens for s in tight] == [s.tokens for s in roomy] and stats["items_failed"] == 0
+    for i, st in enumerate(steps):  # every preempted sequence's next call prefills it
+        for sid in st["preempted"]:
+            back = next(later for later in steps[i + 1:] if sid in later["seqs"])
+            assert sid in back["prefilling"], (sid, back)
+    assert model.cached == 0
+
+
 def test_a_shared_prefix_is_computed_once_and_changes_no_token(tiny: Any) -> None:
     texts, new = prompts(8, shared=40), [12] * 8
     plain, off, _ = serve(tiny, texts, new, max_batch_size=2)  # two at a time: the later ones find a cache

@@ -216,6 +216,29 @@ def test_worker_death_is_noticed_and_nobody_hangs(strategy: str) -> None:
         assert h.stats()["queue_depth"] == 0
 
 
+def test_a_dying_model_thread_reports_its_death_before_it_fails_the_call() -> None:
+    # whoever awaits the failed call must find the engine already dead (no request admitted in between):
+    # the thread's callbacks are recorded and replayed in the order it scheduled them
+    from labserver.engine.runner import ModelThread, WorkerDied
+
+    loop = asyncio.new_event_loop()
+    scheduled: list[tuple[Any, tuple[Any, ...]]] = []
+    loop.call_soon_threadsafe = lambda cb, *args: scheduled.append((cb, args))  # type: ignore[method-assign]
+    seen: list[bool] = []
+    thread = ModelThread(loop, lambda err: seen.append(fut.done()))
+
+    def crash() -> None:
+        raise SystemExit("simulated hard fault")
+
+    fut = thread.submit(crash)
+    thread._thread.join(10)  # noqa: SLF001 (the thread is gone once it has scheduled everything)
+    for cb, args in scheduled:
+        cb(*args)
+    assert seen == [False]  # on_death ran, once, before the call's future failed
+    assert isinstance(fut.exception(), WorkerDied)
+    loop.close()
+
+
 # -- inline strategies keep answering between model calls --------------------------------------
 
 @pytest.mark.parametrize("strategy", INLINE)

@@ -126,12 +126,15 @@ class ModelThread:
         except BaseException as e:
             logger.critical("model thread died", exc_info=e)
             died = WorkerDied(f"model thread died: {type(e).__name__}")
-            try:
-                if fut is not None:
-                    self._loop.call_soon_threadsafe(settle, fut, None, died)
-                self._loop.call_soon_threadsafe(self._on_death, died)
+            try:  # one callback, death first: whoever the failed call wakes finds the engine already dead
+                self._loop.call_soon_threadsafe(self._report_death, fut, died)
             except RuntimeError:  # the loop is already closed: nobody is waiting
                 pass
+
+    def _report_death(self, fut: asyncio.Future[Any] | None, died: WorkerDied) -> None:
+        self._on_death(died)
+        if fut is not None:
+            settle(fut, None, died)
 
 
 def settle(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

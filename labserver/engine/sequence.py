@@ -44,6 +44,7 @@ class Seq:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "length" | "eos" | "stop" once finished
     computed: int = 0  # positions (prompt, then tokens) whose keys and values are in the KV cache
+    seen: bool = False  # in a model call since it was (last) admitted: a preempted one is prefilled first
     preemptions: int = 0  # times its blocks were taken back and it was requeued to be recomputed
     admitted_s: float = math.nan  # its first prefill started
     first_token_s: float = math.nan
@@ -73,8 +74,12 @@ class Seq:
 
     @property
     def decoding(self) -> bool:
-        """Prefilled: only its last token lacks KV, so one decode step makes the next."""
-        return bool(self.tokens) and self.pending == 1
+        """Prefilled: only its last token lacks KV, so one decode step makes the next.
+
+        A preempted sequence whose prefix cache hit leaves only its last token pending is not
+        decoding yet: the model has released it, so that token is a prefill.
+        """
+        return self.seen and bool(self.tokens) and self.pending == 1
 
     @property
     def finished(self) -> bool:

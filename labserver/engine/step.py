@@ -232,7 +232,7 @@ class StepEngine(EngineBase):
                 for back in reversed(seqs[i:]):
                     self.queue.putback(back)
                 return seqs[:i]
-            seq.computed = hit
+            seq.computed, seq.seen = hit, False
             if math.isnan(seq.admitted_s):  # its first admission (a preempted one keeps its first times)
                 seq.admitted_s = now
                 seq.cached_tokens = hit
@@ -273,7 +273,7 @@ class StepEngine(EngineBase):
                 victim = self.strategy.victim(self.running)
                 self.running.seqs.remove(victim)
                 self.blocks.release(victim.sid)
-                victim.computed = 0
+                victim.computed, victim.seen = 0, False
                 victim.preemptions += 1
                 self.counters.preempted += 1
                 self.queue.putback(victim)  # several in one step: the oldest ends up first in line
@@ -326,6 +326,7 @@ class StepEngine(EngineBase):
             if not seq.tokens and seq.computed + n == seq.kv_tokens:
                 self.counters.requests += 1
             seq.computed += n
+            seq.seen = True
             self.blocks.computed(seq.sid, seq.context, seq.computed)
             if out is not None:
                 if seq.sid in decoding:
