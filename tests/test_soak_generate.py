@@ -68,7 +68,8 @@ async def one(client: httpx.AsyncClient, url: str, o: Outcome, k: int) -> None:
     ("gen-paged", "synthetic", {"max_kv_tokens": 160}),
     ("gen-paged", "synthetic", {"max_kv_tokens": 160, "prefix_cache": True, "prefill": "chunked",
                                 "max_step_tokens": 12, "kv_block_tokens": 2}),
-    ("gen-paged", "gpt2-tiny-random", {"max_kv_tokens": 160, "prefix_cache": True, "kv_block_tokens": 2}),
+    # 96 tokens: three sequences near their longest fill it, so even a slowed server preempts
+    ("gen-paged", "gpt2-tiny-random", {"max_kv_tokens": 96, "prefix_cache": True, "kv_block_tokens": 2}),
 ])  # fmt: skip
 def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str, knobs: dict[str, Any]) -> None:
     # capacity: steps of 4 ms for up to 8 sequences, outputs of 4-40 tokens (mean 22): about
@@ -82,9 +83,11 @@ def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str, 
         from labserver.models import load_model
 
         model, poison, rate = load_model(model_spec, device="cpu"), 0.0, 120.0
+    # the burst is more than the queue cap (24) and a batch (8) hold, so some requests are refused
+    # (503) however fast this machine is; the rate after it keeps the server overloaded on most
     rng = random.Random(7)
-    n = 300
-    plan = [Outcome(rng.randint(4, 40), rng.random() < poison, rng.randint(1, 3) if rng.random() < 0.1 else None)
+    n, burst = 300, 40
+    plan = [Outcome(rng.randint(4, 40), rng.random() < poison, rng.randint(1, 3) if rng.random() < 0.2 else None)
             for _ in range(n)]
     with labserver.serve(strategy, model, max_batch_size=8, max_queue=24, timeout_ms=400, **knobs) as h:
 
@@ -96,8 +99,9 @@ def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str, 
             async with httpx.AsyncClient(limits=limits, timeout=30) as client:
                 start = asyncio.get_running_loop().time()
                 tasks = []
-                for k, o in enumerate(plan):
-                    await asyncio.sleep(max(0.0, start + k / rate - asyncio.get_running_loop().time()))
+                for k, o in enumerate(plan):  # a burst of `burst` at once, then `rate` per second
+                    due = start + max(0, k - burst) / rate
+                    await asyncio.sleep(max(0.0, due - asyncio.get_running_loop().time()))
                     tasks.append(asyncio.create_task(one(client, h.url, o, k)))
                 await asyncio.gather(*tasks)
 
@@ -107,7 +111,9 @@ def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str, 
 
     statuses = Counter(o.status for o in plan)
     assert set(statuses) <= {200, 500, 503, 504}, statuses
-    assert statuses[503] > 0 and statuses[200] > n / 5, statuses  # it was overloaded, and it still served
+    assert statuses[503] > 0, statuses  # it was overloaded,
+    first_503 = next(k for k, o in enumerate(plan) if o.status == 503)
+    assert any(o.status == 200 for o in plan[first_503 + 1:]), statuses  # and it went on serving
     # every request exactly one outcome, counted once by the server (499: left mid-stream)
     assert sum(stats["statuses"].values()) == n, stats["statuses"]
     stayed = [o for o in plan if o.status == 200 and o.leave_after is None]
