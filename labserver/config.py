@@ -9,18 +9,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, fields
 
-from .strategies import Limits
+from .models import DEFAULT_MODELS
+from .strategies import STRATEGIES, Limits
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_STRATEGY = "thread"
-DEFAULT_MODEL = "minilm"
-DEFAULT_GEN_MODEL = "gpt2-random"  # for gen-* strategies
+DEFAULT_MODEL = DEFAULT_MODELS["encode"]
 
 
 def default_model(strategy: str) -> str:
-    """The model a strategy gets when none is named: the embedded encoder, or GPT-2 for gen-*."""
-    return DEFAULT_GEN_MODEL if strategy.startswith("gen-") else DEFAULT_MODEL
+    """The model a strategy gets when none is named: the default of its kind (the embedded encoder, or GPT-2)."""
+    cls = STRATEGIES.get(strategy)
+    return DEFAULT_MODELS[cls.kind if cls is not None else "encode"]
 
 
 @dataclass

@@ -23,8 +23,7 @@ from typing import Any
 
 import uvicorn
 
-from .config import DEFAULT_MODEL, DEFAULT_STRATEGY, ServerConfig
-from .engine import BatchEngine, StepEngine
+from .config import DEFAULT_STRATEGY, ServerConfig, default_model
 from .models import GenModel, Model, ModelLoadError
 from .server import Runtime, create_app, stats_dict
 
@@ -129,12 +128,12 @@ class ServerHandle:
     def batches(self) -> list[dict[str, Any]]:
         """Every recorded batch (size, reason, queue wait, compute time), oldest first."""
         engine = self.runtime.engine
-        return self._call(lambda: [vars(b).copy() for b in engine.batches] if isinstance(engine, BatchEngine) else [])
+        return self._call(lambda: engine.batch_log() if engine is not None else [])
 
     def steps(self, last: int | None = None) -> list[dict[str, Any]]:
         """The generation engine's step log (who was in each prefill and decode step), oldest first."""
         engine = self.runtime.engine
-        return self._call(lambda: engine.step_log(last) if isinstance(engine, StepEngine) else [])
+        return self._call(lambda: engine.step_log(last) if engine is not None else [])
 
     def loop_lag(self) -> list[tuple[float, float]]:
         """(t_s, lag_ms) samples of the server's event-loop lag."""
@@ -182,8 +181,9 @@ class ServerHandle:
         await self.astop()
 
 
-def _prepare(strategy: str, model: str | Model | GenModel, host: str, port: int, options: dict[str, Any]
+def _prepare(strategy: str, model: str | Model | GenModel | None, host: str, port: int, options: dict[str, Any]
              ) -> tuple[ServerConfig, Model | GenModel | None]:
+    model = default_model(strategy) if model is None else model  # the default of the strategy's kind
     obj = None if isinstance(model, str) else model
     spec = model if isinstance(model, str) else getattr(model, "name", type(model).__name__)
     config = ServerConfig.build(strategy=strategy, model=spec, host=host, port=port, **options)
@@ -193,7 +193,7 @@ def _prepare(strategy: str, model: str | Model | GenModel, host: str, port: int,
 
 def serve(
     strategy: str = DEFAULT_STRATEGY,
-    model: str | Model | GenModel = DEFAULT_MODEL,
+    model: str | Model | GenModel | None = None,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
@@ -265,7 +265,7 @@ def _raise_if_failed(handle: ServerHandle) -> None:
 
 async def serve_async(
     strategy: str = DEFAULT_STRATEGY,
-    model: str | Model | GenModel = DEFAULT_MODEL,
+    model: str | Model | GenModel | None = None,
     *,
     host: str = "127.0.0.1",
     port: int = 0,

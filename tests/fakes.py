@@ -55,6 +55,30 @@ class CrashModel:
         pass
 
 
+class CallLog:
+    """Any generator, with its prefill and decode calls logged as (kind, sequence ids), in the order they ran.
+
+    What reached the model is the strongest evidence a test has (a sequence whose client
+    left must not be in a later decode). The real models keep no such log: a list that grows
+    with every step would be a leak in a long-running server.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.inner = model
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the model's own
+        return getattr(self.inner, name)
+
+    def prefill(self, chunks):  # type: ignore[no-untyped-def]
+        self.calls.append(("prefill", tuple(c.sid for c in chunks)))
+        return self.inner.prefill(chunks)
+
+    def decode(self, chunks):  # type: ignore[no-untyped-def]
+        self.calls.append(("decode", tuple(c.sid for c in chunks)))
+        return self.inner.decode(chunks)
+
+
 class SteppedGen:
     """A synthetic generator whose decode steps wait for the test's permits: one permit, one step.
 
@@ -69,7 +93,7 @@ class SteppedGen:
         self.permits = threading.Semaphore(0)
         self.entered = threading.Semaphore(0)
         self.name, self.note, self.eos_id, self.max_context = "stepped", None, 0, 4096
-        self.calls = self.inner.calls
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
 
     def allow(self, steps: int = 1) -> None:
         for _ in range(steps):
@@ -92,12 +116,14 @@ class SteppedGen:
         self.inner.allocate_kv(blocks, block_tokens)
 
     def prefill(self, chunks):  # type: ignore[no-untyped-def]
+        self.calls.append(("prefill", tuple(c.sid for c in chunks)))
         return self.inner.prefill(chunks)
 
     def decode(self, chunks):  # type: ignore[no-untyped-def]
         self.entered.release()
         if not self.permits.acquire(timeout=30):
             raise RuntimeError("test never allowed the step")
+        self.calls.append(("decode", tuple(c.sid for c in chunks)))  # logged once allowed to run
         return self.inner.decode(chunks)
 
     def release(self, seq_ids):  # type: ignore[no-untyped-def]

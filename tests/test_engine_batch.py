@@ -83,7 +83,7 @@ def test_expired_items_are_never_computed(name: str) -> None:
     out, e = asyncio.run(main())
     assert isinstance(out[1], Expired)
     assert model.items == 1  # only "first" reached the model
-    assert e.counters.expired == 1
+    assert e.counters.expired_in_queue == 1
     assert e.counters.computed_after_deadline == 0
 
 

@@ -108,11 +108,11 @@ def test_a_shared_prefix_is_computed_once_and_changes_no_token(tiny: Any) -> Non
     plain, off, _ = serve(tiny, texts, new, max_batch_size=2)  # two at a time: the later ones find a cache
     cached, on, steps = serve(tiny, texts, new, max_batch_size=2, prefix_cache=True)
     assert [s.tokens for s in cached] == [s.tokens for s in plain]
-    assert off["prefix_cache"]["cached_tokens"] == 0 and all(s.cached_tokens == 0 for s in plain)
+    assert off["cached_tokens"] == 0 and all(s.cached_tokens == 0 for s in plain)
     ids = [tiny.encode(t) for t in texts]
     common = next(i for i in range(len(ids[0])) if len({p[i] for p in ids}) > 1)  # tokens all prompts share
     assert common >= 48 and all(s.cached_tokens == common // 16 * 16 for s in cached[2:])  # whole blocks of 16
-    assert on["prefix_cache"]["cached_tokens"] == sum(s.cached_tokens for s in cached)
+    assert on["cached_tokens"] == sum(s.cached_tokens for s in cached)
     later = [st for st in steps if st["kind"] == "prefill"][1:]
     assert all(st["tokens"] <= sum(len(p) for p in ids[:2]) - 2 * 48 for st in later)  # only what was not cached
     assert on["kv_blocks"]["used"] == 0 and on["kv_blocks"]["cached"] > 0  # kept for the next prompt

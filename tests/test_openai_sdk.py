@@ -163,9 +163,11 @@ def test_overloaded_is_a_503_the_sdk_raises() -> None:
 class FailsMidway(SyntheticGen):
     """Fails its third decode step: a failure after the first chunk."""
 
+    decodes = 0
+
     def decode(self, chunks):  # type: ignore[no-untyped-def]
-        if len([1 for kind, _ in self.calls if kind == "decode"]) == 2:
-            self.calls.append(("decode", ()))
+        self.decodes += 1
+        if self.decodes == 3:
             raise ModelError("the step failed")
         return super().decode(chunks)
 

@@ -17,7 +17,7 @@ from labserver.models import SyntheticGen
 from labserver.models import POISON
 from labserver.models.base import generate_alone
 
-from .fakes import SteppedGen
+from .fakes import CallLog, SteppedGen
 from .test_server import assert_error, wait_until
 
 
@@ -240,8 +240,8 @@ def test_real_model_streams_every_token_in_order_and_matches_offline(tiny: Any) 
 
 
 def test_real_model_client_leaving_mid_stream_is_not_decoded_to_the_end(tiny: Any) -> None:
-    tiny.calls.clear()  # (sequence ids start at 1 in every server)
-    with labserver.serve("gen-continuous", tiny, max_batch_size=4) as h:
+    logged = CallLog(tiny)  # (sequence ids start at 1 in every server)
+    with labserver.serve("gen-continuous", logged, max_batch_size=4) as h:
         other: dict[str, Any] = {}
         t = threading.Thread(target=lambda: other.update(evs=stream(h.url, {"prompt": "stays", "max_new_tokens": 300,
                                                                             "ignore_eos": True})[1]))
@@ -256,7 +256,7 @@ def test_real_model_client_leaving_mid_stream_is_not_decoded_to_the_end(tiny: An
         wait_until(lambda: h.stats()["left_while_generating"] == 1)
         t.join(60)
         assert len([d for k, d in other["evs"] if k == "token"]) == 300  # the other one went on to its end
-    decoded = sorted(sum(sid in ids for kind, ids in tiny.calls if kind == "decode") for sid in (1, 2))
+    decoded = sorted(sum(sid in ids for kind, ids in logged.calls if kind == "decode") for sid in (1, 2))
     assert decoded[1] == 299  # the one that stayed: a prefill and 299 steps
     assert decoded[0] < 200  # the leaver: dropped long before its 400 tokens (exactly when: the stepped test)
     assert tiny.cached == 0

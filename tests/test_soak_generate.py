@@ -22,6 +22,7 @@ import labserver
 from labserver.models import SyntheticGen
 from labserver.models import POISON
 
+from .fakes import CallLog
 from .test_server import wait_until
 
 
@@ -77,12 +78,12 @@ def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str, 
     # served 30-60 requests/s of these on 2 cores (the client on the same cores), depending on the
     # machine: offered 120/s, so it is overloaded on either (it has no poison: its share is 0)
     if model_spec == "synthetic":
-        model: Any = SyntheticGen(2, 3, per_seq_ms=0.125)
+        model: Any = CallLog(SyntheticGen(2, 3, per_seq_ms=0.125))
         poison, rate = 0.03, 180.0
     else:
         from labserver.models import load_model
 
-        model, poison, rate = load_model(model_spec, device="cpu"), 0.0, 120.0
+        model, poison, rate = CallLog(load_model(model_spec, device="cpu")), 0.0, 120.0
     # the burst is more than the queue cap (24) and a batch (8) hold, so some requests are refused
     # (503) however fast this machine is; the rate after it keeps the server overloaded on most
     rng = random.Random(7)

@@ -203,4 +203,4 @@ def test_a_shared_prefix_on_the_virtual_clock_is_prefilled_once() -> None:
     ttft = {name: [s.first_token_s - s.enqueued_s for s in run.seqs] for name, run in (("p", plain), ("c", cached))}
     assert [s.cached_tokens for s in cached.seqs] == [0] + [512] * 9
     assert np.median(ttft["c"][1:]) < 0.3 * np.median(ttft["p"][1:])
-    assert cached.stats["prefix_cache"]["hit_rate"] == pytest.approx(9 * 512 / 6000)
+    assert cached.stats["prefix_hit_rate"] == pytest.approx(9 * 512 / 6000)

@@ -1,32 +1,45 @@
 """Engines: the queue, the worker and the model, joined by a strategy.
 
 - ``base``: what every engine shares (queue, lifecycle, the door, counters, dropping the gone);
+- ``counters``: counters named once, where they are counted, with their help text;
 - ``batch``: ``BatchEngine``, encoders (one model call answers a batch of items);
-- ``step``: ``StepEngine``, generation (one model call per token; sequences join and leave between steps);
+- ``genbase``: what the generation engines share (a request becomes a ``Seq``);
+- ``scheduler``: the ``Scheduler`` (waiting and running sequences, KV blocks, a plan per call,
+  every decision asked of the strategy) and ``step``: ``StepEngine``, the loop that runs its plans;
+- ``blocks``: the block manager (who holds which KV block); ``sequence``: one ``Seq``;
 - ``runner``: the model thread and failure isolation by splitting a batch;
-- ``hfcb``: transformers' own continuous-batching manager as an outside scheduler (``gen-hf-cb``);
+- ``hfcb``: ``HFEngine``, transformers' own continuous-batching manager as an engine (``gen-hf-cb``);
 - ``virtual``: any strategy's rule on a virtual clock (deterministic, instant, no HTTP).
 
-Nothing here knows HTTP.
+``make_engine`` finds the engine a strategy runs on in ``ENGINES``, by the strategy's class
+(its nearest registered base). Nothing here knows HTTP.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..strategies import Strategy
+from ..strategies import GenHFContinuous, GenStrategy, Strategy
 from .base import EngineBase, Expired, Overloaded, ShuttingDown, WorkerDied
 from .batch import BatchEngine, BatchRecord, Item
-from .hfcb import serve_through_manager
-from .step import Seq, StepEngine, StepRecord
+from .genbase import GenEngine
+from .hfcb import HFEngine
+from .scheduler import Scheduler, StepRecord
+from .sequence import Seq
+from .step import StepEngine
 
-__all__ = ["BatchEngine", "BatchRecord", "EngineBase", "Expired", "Item", "Overloaded", "Seq", "ShuttingDown",
-           "StepEngine", "StepRecord", "WorkerDied", "make_engine"]
+__all__ = ["ENGINES", "BatchEngine", "BatchRecord", "EngineBase", "Expired", "GenEngine", "HFEngine", "Item", "Overloaded",
+           "Scheduler", "Seq", "ShuttingDown", "StepEngine", "StepRecord", "WorkerDied", "make_engine"]
+
+# strategy class -> the engine its rules run on; a subclass runs on its nearest base's engine
+ENGINES: dict[type[Strategy], type[EngineBase]] = {
+    Strategy: BatchEngine,  # encoders: one model call answers a batch
+    GenStrategy: StepEngine,  # generation: labserver's scheduler plans every call
+    GenHFContinuous: HFEngine,  # transformers' manager plans them
+}
 
 
 def make_engine(strategy: Strategy, model: Any) -> EngineBase:
-    """The engine a strategy's kind calls for (and, for gen-hf-cb, transformers' manager as its scheduler)."""
-    if strategy.kind != "generate":
-        return BatchEngine(strategy, model)
-    outside = serve_through_manager if getattr(strategy, "scheduler", "labserver") == "transformers" else None
-    return StepEngine(strategy, model, scheduler=outside)  # type: ignore[arg-type]
+    """The engine this strategy runs on (``ENGINES``), with its model."""
+    engine = next(ENGINES[cls] for cls in type(strategy).__mro__ if cls in ENGINES)
+    return engine(strategy, model)  # type: ignore[call-arg]

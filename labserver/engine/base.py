@@ -13,8 +13,9 @@ stand on ``EngineBase``, which holds what does not depend on the kind of work:
 - the door (``admit_or_refuse``): 503 when dead, stopping or full, counted;
 - ``live``: at dispatch, a request whose client left is skipped and one whose deadline
   passed is answered 504, counted, never computed;
-- ``Counters``: the outcomes every engine counts, so ``/stats`` and ``/metrics`` read
-  them the same way whatever the strategy.
+- ``Counters``: the outcomes every engine counts, each named once where it is counted
+  (``labserver.engine.counters``); ``metrics()`` is everything an engine reports, which
+  ``/stats`` and ``/metrics`` show under those names whatever the engine.
 
 Nothing here knows HTTP, Starlette or torch; outcomes are plain results or exceptions
 that the server maps to status codes.
@@ -26,12 +27,13 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..strategies import Strategy
+from .counters import Metric, count, gauge, metrics_of
 from .runner import ModelThread, WorkerDied, settle
 
 logger = logging.getLogger(__name__)
@@ -62,13 +64,14 @@ class ItemQueue:
     """A FIFO with ``get(timeout_s)``: the one waiting primitive strategies use.
 
     Requests whose future is already done (client gone, timed out) are skipped and
-    counted, never handed out.
+    counted (``on_skip``), never handed out. A rule that chooses among the waiting
+    (shortest first, by priority) reads ``waiting()`` and ``take``s the ones it picked.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_skip: Callable[[], None] = lambda: None) -> None:
         self._items: deque[Any] = deque()
         self._waiter: asyncio.Future[bool] | None = None
-        self.skipped = 0  # dead requests dropped at the head of the queue, never computed
+        self._on_skip = on_skip  # a dead request dropped from the queue, never computed
 
     def __len__(self) -> int:
         return len(self._items)
@@ -85,7 +88,21 @@ class ItemQueue:
     def _prune(self) -> None:
         while self._items and self._items[0].future.done():
             self._items.popleft()
-            self.skipped += 1
+            self._on_skip()
+
+    def waiting(self) -> list[Any]:
+        """The live requests, in arrival order (the dead ones are dropped and counted)."""
+        if any(item.future.done() for item in self._items):
+            live = [item for item in self._items if not item.future.done()]
+            for _ in range(len(self._items) - len(live)):
+                self._on_skip()
+            self._items = deque(live)
+        return list(self._items)
+
+    def take(self, items: list[Any]) -> None:
+        """Remove these (read from ``waiting()``) from the queue: they were admitted."""
+        chosen = {id(item) for item in items}
+        self._items = deque(item for item in self._items if id(item) not in chosen)
 
     def drain(self) -> list[Any]:
         items, self._items = list(self._items), deque()
@@ -125,12 +142,11 @@ def _wake(fut: asyncio.Future[bool]) -> None:
 class Counters:
     """Outcomes every engine counts (per item for encoders, per sequence for generation)."""
 
-    rejected_overload: int = 0  # refused at the door (503)
-    expired: int = 0  # deadline passed while queued: 504, never computed
-    skipped_dead: int = 0  # client gone while queued: never computed (see also ItemQueue.skipped)
-    failed: int = 0  # model errors
-    computed_after_deadline: int = 0  # must stay 0: counted, not assumed
-    reasons: Counter[str] = field(default_factory=Counter)  # why batches left / why prefills happened
+    rejected_overload: int = count("Requests refused at the door (503)")
+    expired_in_queue: int = count("Requests whose deadline passed while queued (504, never computed)")
+    skipped_client_gone: int = count("Requests dropped unrun: their client left while they were queued")
+    items_failed: int = count("Items (generation: sequences) the model failed on")
+    computed_after_deadline: int = count("Requests computed after their deadline: must stay 0")
 
 
 class EngineBase:
@@ -138,12 +154,15 @@ class EngineBase:
 
     counters: Counters
 
-    def __init__(self, strategy: Strategy, model: Any, *, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, strategy: Strategy, model: Any, counters: Counters, *,
+                 clock: Callable[[], float] = time.perf_counter, queue: Any = None) -> None:
+        """``clock`` and ``queue`` are replaced only on a virtual clock (``labserver.engine.virtual``)."""
         self.strategy = strategy
         self.limits = strategy.limits
         self.model = model
         self.clock = clock
-        self.queue = ItemQueue()
+        self.counters = counters
+        self.queue = queue if queue is not None else ItemQueue(self._skipped)
         self.in_flight: list[Any] = []  # requests in the model now: what drain waits for and a dying worker fails
         self.dead: BaseException | None = None  # why the worker stopped, if it did
         self.accepting = False
@@ -161,6 +180,14 @@ class EngineBase:
 
     async def _work(self) -> None:
         raise NotImplementedError
+
+    def _skipped(self) -> None:
+        self.counters.skipped_client_gone += 1
+
+    @property
+    def kind(self) -> str:
+        """"encode" or "generate": which routes this engine answers (its strategy's kind)."""
+        return self.strategy.kind
 
     @property
     def healthy(self) -> bool:
@@ -237,26 +264,30 @@ class EngineBase:
         keep = []
         for w in waiting:
             if w.future.done():
-                self.counters.skipped_dead += 1
+                self.counters.skipped_client_gone += 1
             elif w.deadline_s < now:
-                self.counters.expired += 1
+                self.counters.expired_in_queue += 1
                 w.future.set_exception(Expired(why_expired))
             else:
                 keep.append(w)
         return keep
 
-    # -- what /stats shows ----------------------------------------------------------------
+    # -- what /stats and /metrics show --------------------------------------------------
+    def metrics(self) -> list[Metric]:
+        """Everything this engine reports: its state now, then its counters (each named once)."""
+        return [gauge("queue_depth", "Requests waiting in the queue", len(self.queue)),
+                gauge("computing", "Requests in the model now", len(self.in_flight)),
+                *metrics_of(self.counters)]
+
     def stats(self) -> dict[str, Any]:
-        c = self.counters
-        return {
-            "strategy": self.strategy.name,
-            "limits": vars(self.limits).copy(),
-            "queue_depth": len(self.queue),
-            "computing": len(self.in_flight),
-            "healthy": self.healthy,
-            "items_failed": c.failed,
-            "expired_in_queue": c.expired,
-            "skipped_client_gone": c.skipped_dead + self.queue.skipped,
-            "rejected_overload": c.rejected_overload,
-            "computed_after_deadline": c.computed_after_deadline,
-        }
+        """What ``GET /stats`` shows of the engine: who it is, then every metric by its name."""
+        return {"strategy": self.strategy.name, "limits": vars(self.limits).copy(), "healthy": self.healthy,
+                **{m.name: m.shown() for m in self.metrics()}}
+
+    def batch_log(self, last: int | None = None) -> list[dict[str, Any]]:
+        """The most recent batches as dicts, oldest first (an engine that forms batches keeps them)."""
+        return []
+
+    def step_log(self, last: int | None = None) -> list[dict[str, Any]]:
+        """The most recent generation steps as dicts, oldest first (an engine that runs steps keeps them)."""
+        return []

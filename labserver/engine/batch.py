@@ -18,11 +18,12 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..strategies import Strategy
 from .base import Counters, EngineBase, ShuttingDown
+from .counters import count, sizes, tally
 from .runner import ModelFn, WorkerDied, isolating_steps, let_loop_run, run_isolating, settle
 
 __all__ = ["BatchCounters", "BatchEngine", "BatchRecord", "Item"]
@@ -56,10 +57,11 @@ class Item:
 
 @dataclass
 class BatchCounters(Counters):
-    batches: int = 0
-    items_computed: int = 0
-    model_calls: int = 0
-    batch_sizes: Counter[int] = field(default_factory=Counter)
+    batches: int = count("Batches dispatched to the model")
+    items_computed: int = count("Items run through the model")
+    model_calls: int = count("Model calls (more than batches when a failed batch was split and retried)")
+    batch_size_histogram: Counter[int] = sizes("Items per batch")
+    dispatch_reasons: Counter[str] = tally("Batches by why they left (full, deadline, idle, ...)", "reason")
 
 
 class BatchEngine(EngineBase):
@@ -67,8 +69,8 @@ class BatchEngine(EngineBase):
 
     def __init__(self, strategy: Strategy, model: ModelFn, *, clock: Callable[[], float] = time.perf_counter,
                  history: int = 20_000) -> None:
-        super().__init__(strategy, model, clock=clock)
-        self.counters = BatchCounters()
+        super().__init__(strategy, model, BatchCounters(), clock=clock)
+        self.counters: BatchCounters
         self.batches: deque[BatchRecord] = deque(maxlen=history)  # the most recent batches
         self._ids = itertools.count(1)
 
@@ -132,7 +134,7 @@ class BatchEngine(EngineBase):
         for item, result in zip(items, results, strict=True):
             if isinstance(result, Exception):
                 record.failed += 1
-                self.counters.failed += 1
+                self.counters.items_failed += 1
                 settle(item.future, None, result)
             else:
                 settle(item.future, result, None)
@@ -142,18 +144,11 @@ class BatchEngine(EngineBase):
         c.batches += 1
         c.model_calls += record.calls
         c.items_computed += record.size
-        c.batch_sizes[record.size] += 1
-        c.reasons[record.reason] += 1
+        c.batch_size_histogram[record.size] += 1
+        c.dispatch_reasons[record.reason] += 1
         self.batches.append(record)
         self.strategy.observe(record.size, record.compute_ms)
 
-    def stats(self) -> dict[str, Any]:
-        c = self.counters
-        return {
-            **super().stats(),
-            "batches": c.batches,
-            "model_calls": c.model_calls,
-            "items_computed": c.items_computed,
-            "batch_size_histogram": {str(k): v for k, v in sorted(c.batch_sizes.items())},
-            "dispatch_reasons": dict(c.reasons),
-        }
+    def batch_log(self, last: int | None = None) -> list[dict[str, Any]]:
+        batches = list(self.batches)[-last:] if last else list(self.batches)
+        return [vars(b).copy() for b in batches]

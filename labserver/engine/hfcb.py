@@ -1,14 +1,17 @@
-"""transformers' ContinuousBatchingManager behind a small callback interface, for ``gen-hf-cb``.
+"""transformers' ContinuousBatchingManager as an engine of its own, for ``gen-hf-cb``.
 
-What this is: an adapter, and the loop that feeds it (``serve_through_manager``). transformers (5.23) can run continuous batching itself:
+What this is: an adapter (``HFManager``) and the engine that feeds it (``HFEngine``).
+transformers (5.23) can run continuous batching itself:
 ``model.init_continuous_batching(...)`` returns a ``ContinuousBatchingManager`` with its own
 generation thread, FIFO scheduler, paged KV cache and chunked prefill. ``HFManager`` hands
 it token ids and turns its results into three callbacks per request (``on_tokens``,
 ``on_done``, ``on_error``), so the serving side never touches transformers.
 
 What this is not: a scheduler. Every decision about who shares a step is the manager's;
-labserver only decides how many requests it hands over (its queue, its caps). There is
-no step log: the steps happen inside the manager.
+labserver only decides how many requests it hands over (the strategy's ``admit``: one at
+a time while fewer than ``max_batch_size`` run), and keeps its queue in front, so 503, 504
+before the first token and a client that leaves behave as for the other strategies.
+There is no step log: the steps happen inside the manager.
 
 Threads. The manager runs one generation thread. It puts a ``GenerationOutput`` on its
 output queue at every step of a streaming request (the *cumulative* generated tokens,
@@ -38,10 +41,10 @@ What maps (``ContinuousBatchingConfig``):
   pass. Memory it costs up front: an SDPA mask of ``max_batch_tokens x (cache + max_batch_tokens)``
   floats.
 
-Memory: unlike ``labserver.gpt2``'s slot cache, which grows on demand, the whole paged cache
-(``num_blocks x page_size`` tokens x layers x K and V) is allocated and zeroed in ``start()``:
-for gpt2-random, 72 KiB a token, so 32 sequences of 1,024 tokens are 2.3 GB and about 6 s
-on a 2-core CPU.
+Memory: as for labserver's own paged pool (``labserver.models.kvcache``), the whole cache
+(``num_blocks x page_size`` tokens x layers x K and V) is allocated up front, here in
+``start()``: for gpt2-random, 72 KiB a token, so 32 sequences of 1,024 tokens are 2.3 GB
+and about 6 s on a 2-core CPU.
 
 Decoding is greedy (``do_sample=False``). ``ignore_eos`` passes ``eos_token_id=-1`` for that
 request (the manager keeps only non-negative EOS ids). Works on CPU with SDPA attention
@@ -55,19 +58,21 @@ import asyncio
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..models import InputRejected, ModelError
+from ..models import InputRejected, ModelError, Sampling
+from ..strategies import GenStrategy
+from .genbase import GenCounters, GenEngine
+from .sequence import Seq
 
 if TYPE_CHECKING:
     from ..models.gpt2 import GPT2Gen
-    from .step import Seq, StepEngine
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PAGE_TOKENS", "HFManager", "serve_through_manager"]
+__all__ = ["PAGE_TOKENS", "HFEngine", "HFManager"]
 
 PAGE_TOKENS = 32  # KV-cache page size, tokens (transformers' default is 256: coarse for small caches)
 _DEFAULT_SEQS = 32  # sequences of full context the cache holds when neither cap is given
@@ -238,46 +243,90 @@ class HFManager:
             logger.exception("callback for request %s failed", rid)
 
 
-async def serve_through_manager(engine: StepEngine) -> None:
-    """The worker of ``gen-hf-cb``: hand queued sequences to transformers' manager, at most the cap at once.
+class HFEngine(GenEngine):
+    """``gen-hf-cb``: queued sequences handed to transformers' manager, as many as the strategy admits."""
 
-    The manager decides every step; the engine only keeps the books (``external_*``), so
-    503, 504 before the first token and a client that leaves behave as for the others.
-    """
-    loop = asyncio.get_running_loop()
-    limits = engine.limits
-    manager = HFManager(engine.model, max_running=limits.max_batch_size,  # type: ignore[arg-type]
-                        max_kv_tokens=limits.max_kv_tokens)
-    await engine.call(manager.start)  # warm-up takes seconds: on the model thread
-    room = asyncio.Event()
+    def __init__(self, strategy: GenStrategy, model: GPT2Gen, **kwargs: Any) -> None:
+        super().__init__(strategy, model, GenCounters(), **kwargs)
+        self.in_flight: list[Seq] = []  # handed over and not yet answered: the running ones
+        self._room = asyncio.Event()  # set whenever one leaves
 
-    def feed(seq: Seq) -> None:
+    @property
+    def running(self) -> list[Seq]:
+        return self.in_flight
+
+    def check(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None,
+              stop: Sequence[str], min_tokens: int) -> None:
+        super().check(prompt_ids, max_new_tokens, sampling, stop, min_tokens)
+        for name, asked in (("temperature", sampling is not None and not sampling.greedy), ("stop", bool(stop)),
+                            ("min_tokens", min_tokens > 0)):
+            if asked:
+                raise InputRejected(f'"{name}": {self.strategy.name} runs transformers\' continuous batching '
+                                    "manager, which decodes greedily to EOS or max_tokens; serve with "
+                                    "gen-continuous for sampling, stop strings and min_tokens", param=name)
+
+    async def _work(self) -> None:
+        loop = asyncio.get_running_loop()
+        manager = HFManager(self.model, max_running=self.limits.max_batch_size, max_kv_tokens=self.limits.max_kv_tokens)
+        await self.call(manager.start)  # warm-up takes seconds: on the model thread
+        try:
+            while True:
+                joining, reason = await self.strategy.admit(self.queue, self.running, self.clock)  # type: ignore[attr-defined]
+                if not joining:
+                    self._room.clear()
+                    await self._room.wait()
+                    continue
+                for seq in self.live(joining, self.clock(), "no first token before timeout_ms"):
+                    self.counters.prefill_reasons[reason] += 1
+                    self._hand_over(manager, loop, seq)
+        finally:
+            manager.stop()
+
+    def _hand_over(self, manager: HFManager, loop: asyncio.AbstractEventLoop, seq: Seq) -> None:
         def on_tokens(tokens: list[int]) -> None:
-            loop.call_soon_threadsafe(engine.external_tokens, seq, tokens)
+            loop.call_soon_threadsafe(self._tokens, seq, tokens)
 
         def on_done(reason: str) -> None:
-            loop.call_soon_threadsafe(engine.external_done, seq, reason, None)
+            loop.call_soon_threadsafe(self._done, seq, reason, None)
 
         def on_error(err: Exception) -> None:
-            loop.call_soon_threadsafe(engine.external_done, seq, None, err)
+            loop.call_soon_threadsafe(self._done, seq, None, err)
 
         def left(_: object) -> None:  # client gone, 504 or shutdown: stop decoding it
             if not seq.finished:
                 manager.cancel(seq.sid)
-                engine.external_done(seq, None, None)
-            room.set()
+                self._done(seq, None, None)
+            self._room.set()
 
-        engine.external_join(seq)
+        seq.admitted_s = self.clock()
+        self.in_flight.append(seq)
+        self.counters.requests_prefilled += 1
         seq.future.add_done_callback(left)
         manager.submit(seq.sid, seq.prompt_ids, seq.max_new_tokens, seq.ignore_eos, on_tokens, on_done, on_error)
 
-    try:
-        while True:
-            while len(engine.running) >= limits.cap:
-                room.clear()
-                await room.wait()
-            seq: Seq = await engine.queue.get()
-            for live in engine.live([seq], engine.clock(), "no first token before timeout_ms"):
-                feed(live)
-    finally:
-        manager.stop()
+    def _tokens(self, seq: Seq, tokens: list[int]) -> None:
+        now = self.clock()
+        for token in tokens:
+            if seq.finished or seq.future.done():
+                return
+            seq.emit(token, now, self.model.eos_id, self.model.text)
+            self.counters.tokens_generated += 1
+
+    def _done(self, seq: Seq, reason: str | None, error: BaseException | None) -> None:
+        """It finished (reason), failed (error), or left (neither): out of the running batch."""
+        if seq not in self.in_flight:
+            return
+        self.in_flight.remove(seq)
+        if error is not None:
+            self.counters.items_failed += 1
+            if not seq.future.done():
+                seq.future.set_exception(error)
+        elif reason is not None or seq.finished:
+            seq.finish_reason = seq.finish_reason or reason
+            if math.isnan(seq.finished_s):
+                seq.finished_s = self.clock()
+            self.counters.finished[seq.finish_reason or "?"] += 1
+            if not seq.future.done():
+                seq.future.set_result(seq)
+        else:
+            self.counters.left_while_generating += 1

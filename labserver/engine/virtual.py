@@ -53,8 +53,6 @@ class VirtualQueue:
         self._queued: deque[Item] = deque()
         self._n = 0
 
-    skipped = 0  # (a virtual client never leaves)
-
     def __len__(self) -> int:
         return len(self._queued)
 
@@ -74,6 +72,14 @@ class VirtualQueue:
     def empty(self) -> bool:
         self._admit()
         return not self._queued
+
+    def waiting(self) -> list[Any]:
+        self._admit()
+        return list(self._queued)
+
+    def take(self, items: list[Any]) -> None:
+        chosen = {id(item) for item in items}
+        self._queued = deque(item for item in self._queued if id(item) not in chosen)
 
     async def get(self, timeout_s: float | None = None) -> Item | None:
         self._admit()
@@ -250,13 +256,12 @@ def simulate_gen(strategy: Strategy, requests: Iterable[tuple[float, ...]], *, p
     shared_prefix_tokens; the model is ``synthetic-gen`` (a prefill call costs
     ``prefill_ms + per_token_ms * tokens``, a decode step ``step_ms + per_seq_ms * sequences``),
     charged to the virtual clock. It is the engine's own step loop (``StepEngine.step_loop``)
-    with the strategy's own ``admit``, KV blocks, preemption and ``Limits`` (``eos_prob``
-    included), run until every request is answered.
+    and scheduler with the strategy's own rules (admission, composition, preemption, who
+    leaves), KV blocks and ``Limits`` (``eos_prob`` included), run until every request is answered.
     """
     q = GenVirtualQueue(requests, eos_prob=strategy.limits.eos_prob)
     model = SyntheticGen(prefill_ms, step_ms, per_token_ms=per_token_ms, per_seq_ms=per_seq_ms, sleep=q.advance)
-    engine = StepEngine(strategy, model, clock=q.clock)  # type: ignore[arg-type]
-    engine.queue = q  # type: ignore[assignment]
+    engine = StepEngine(strategy, model, clock=q.clock, queue=q)  # type: ignore[arg-type]
     engine.accepting = True
     coro = engine.step_loop()
     try:

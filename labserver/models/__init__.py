@@ -14,13 +14,19 @@ a hub id or folder                 encode    any transformers pipeline (``encode
 ``synthetic-gen:PREFILL+STEP``     generate  known cost, no compute (``synthetic``)
 =================================  ========  =============================================
 
-``load_model(spec)`` loads either kind; the protocols both kinds follow and the errors
-are in ``labserver.models.base``. Nothing here knows HTTP or strategies; torch and
+``MODELS`` is the registry (a name or pattern -> its kind and loader, as ``STRATEGIES`` is
+for rules): ``register_model`` adds one, ``kind_of(spec)`` says what a spec is without
+loading it, ``load_model(spec)`` loads either kind. The protocols both kinds follow and
+the errors are in ``labserver.models.base``. Nothing here knows HTTP or strategies; torch and
 transformers are imported only when a real model is built, so the synthetic models work
 (and test) without them. Nothing downloads a model unless a hub id is named.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from .base import (GREEDY, MEANINGLESS, POISON, Chunk, GenModel, InputRejected, Model, ModelError, ModelLoadError,
                    OutOfMemory, Sampling, minilm_dir, pick_device, pick_dtype)
@@ -32,16 +38,50 @@ from .synthetic import (
     parse_synthetic_gen,
 )
 
-__all__ = ["GEN_SPECS", "GREEDY", "MEANINGLESS", "POISON", "Chunk", "Echo", "GenModel", "InputRejected", "Model",
-           "ModelError", "ModelLoadError", "OutOfMemory", "Sampling", "Synthetic", "SyntheticGen", "kind_of",
-           "load_model", "minilm_dir", "parse_synthetic", "parse_synthetic_gen", "pick_device", "pick_dtype"]
+__all__ = ["DEFAULT_MODELS", "GREEDY", "MEANINGLESS", "MODELS", "POISON", "Chunk", "Echo", "GenModel",
+           "InputRejected", "Model", "ModelError", "ModelLoadError", "ModelSpec", "OutOfMemory", "Sampling", "Synthetic",
+           "SyntheticGen", "find_spec", "kind_of", "load_model", "minilm_dir", "model_names", "parse_synthetic",
+           "parse_synthetic_gen", "pick_device", "pick_dtype", "register_model"]
 
-GEN_SPECS = ("gpt2-random", "gpt2-tiny-random", "synthetic-gen:PREFILL_MS+STEP_MS")
+Loader = Callable[..., Any]  # (spec, device=, dtype=, task=) -> the model
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A family of specs: which strings it answers, what kind of model it loads, and how."""
+
+    name: str  # as the docs and errors show it: "gpt2-random", "synthetic-gen:PREFILL_MS+STEP_MS"
+    kind: str  # "encode" | "generate"
+    matches: Callable[[str], bool]
+    load: Loader
+
+
+MODELS: list[ModelSpec] = []  # the registry, most specific first; a hub id or folder (encoders) is the last resort
+DEFAULT_MODELS = {"encode": "minilm", "generate": "gpt2-random"}  # what a strategy of each kind gets unasked
+
+
+def register_model(name: str, kind: str, matches: Callable[[str], bool] | None = None) -> Callable[[Loader], Loader]:
+    """Register a loader for the specs ``matches`` accepts (by default: exactly ``name``)."""
+    def add(load: Loader) -> Loader:
+        MODELS.append(ModelSpec(name, kind, matches or (lambda spec: spec == name), load))
+        return load
+    return add
+
+
+def find_spec(spec: str) -> ModelSpec:
+    """The registered family a spec belongs to (any other string is an encoder from a hub id or folder)."""
+    return next((m for m in MODELS if m.matches(spec)), _HUB)
 
 
 def kind_of(spec: str) -> str:
-    """"generate" for a generator's spec, "encode" for anything else."""
-    return "generate" if spec.startswith("synthetic-gen") or spec in ("gpt2-random", "gpt2-tiny-random") else "encode"
+    """"generate" for a generator's spec, "encode" for anything else: asked of the registry, nothing loads."""
+    return find_spec(spec).kind
+
+
+def model_names(kind: str | None = None) -> list[str]:
+    """Registered model names (of one kind, or all): what errors and the CLI offer."""
+    return [m.name for m in MODELS if kind is None or m.kind == kind] + (["a hub id or folder"] if kind != "generate"
+                                                                       else [])
 
 
 def load_model(spec: str = "minilm", *, device: str = "auto", dtype: str = "auto", task: str | None = None,
@@ -51,32 +91,65 @@ def load_model(spec: str = "minilm", *, device: str = "auto", dtype: str = "auto
     ``kind`` ("encode" or "generate"), when given, is checked against the spec before
     anything loads, so a generation server asked for an encoder fails at once.
     """
-    if kind is not None and kind != kind_of(spec):
+    family = find_spec(spec)
+    if kind is not None and kind != family.kind:
         if kind == "generate":
-            raise ModelLoadError(f"{spec!r} is not a generative model; use one of: {', '.join(GEN_SPECS)}")
+            raise ModelLoadError(f"{spec!r} is not a generative model; use one of: {', '.join(model_names(kind))}")
         raise ModelLoadError(f"{spec!r} is a generative model; an encoder strategy needs an encoder "
-                             "(minilm, bert-base-random, synthetic:..., a hub id)")
+                             f"({', '.join(model_names('encode'))})")
     try:
-        if spec == "echo":
-            return Echo()
-        if spec.startswith("synthetic-gen"):
-            return parse_synthetic_gen(spec)
-        if spec.startswith("synthetic"):
-            return parse_synthetic(spec)
-        if spec in ("gpt2-random", "gpt2-tiny-random"):
-            from .gpt2 import gpt2_random
-
-            return gpt2_random(tiny=spec == "gpt2-tiny-random", device=device, dtype=dtype)
-        from .encoders import MiniLM, bert_base_random, from_hub_or_folder
-
-        if spec == "minilm":
-            return MiniLM(device=device, dtype=dtype)
-        if spec == "bert-base-random":
-            return bert_base_random(device=device, dtype=dtype)
-        return from_hub_or_folder(spec, task, device, dtype)
+        return family.load(spec, device=device, dtype=dtype, task=task)  # type: ignore[no-any-return]
     except ModelLoadError:
         raise
     except ImportError as e:
         raise ModelLoadError(f"cannot load {spec!r}: missing package ({e.name or e}); install it and retry") from e
     except (OSError, ValueError, RuntimeError, KeyError) as e:  # KeyError: transformers' unknown task
         raise ModelLoadError(f"cannot load {spec!r}: {e}") from e
+
+
+# -- the models labserver knows (torch and transformers are imported only when one of them loads) --------
+
+@register_model("minilm", "encode")
+def _minilm(spec: str, *, device: str, dtype: str, task: str | None) -> Model:
+    from .encoders import MiniLM
+
+    return MiniLM(device=device, dtype=dtype)
+
+
+@register_model("bert-base-random", "encode")
+def _bert(spec: str, *, device: str, dtype: str, task: str | None) -> Model:
+    from .encoders import bert_base_random
+
+    return bert_base_random(device=device, dtype=dtype)
+
+
+@register_model("echo", "encode")
+def _echo(spec: str, **_: Any) -> Model:
+    return Echo()
+
+
+@register_model("gpt2-tiny-random", "generate")
+@register_model("gpt2-random", "generate")
+def _gpt2(spec: str, *, device: str, dtype: str, task: str | None) -> GenModel:
+    from .gpt2 import gpt2_random
+
+    return gpt2_random(tiny=spec == "gpt2-tiny-random", device=device, dtype=dtype)  # type: ignore[return-value]
+
+
+@register_model("synthetic-gen:PREFILL_MS+STEP_MS", "generate", lambda spec: spec.startswith("synthetic-gen"))
+def _synthetic_gen(spec: str, **_: Any) -> GenModel:
+    return parse_synthetic_gen(spec)  # type: ignore[return-value]
+
+
+@register_model("synthetic:BASE_MS+PER_MS", "encode", lambda spec: spec.startswith("synthetic"))
+def _synthetic(spec: str, **_: Any) -> Model:
+    return parse_synthetic(spec)
+
+
+def _hub(spec: str, *, device: str, dtype: str, task: str | None) -> Model:
+    from .encoders import from_hub_or_folder
+
+    return from_hub_or_folder(spec, task, device, dtype)
+
+
+_HUB = ModelSpec("a hub id or folder", "encode", lambda spec: True, _hub)

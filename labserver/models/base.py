@@ -47,6 +47,10 @@ class OutOfMemory(ModelError):
 class InputRejected(ValueError):
     """An input the model can never process (a wrong query): the client's fault, a 400."""
 
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the request field at fault, when there is one
+
 
 class ModelLoadError(RuntimeError):
     """The model named by a spec could not be loaded."""

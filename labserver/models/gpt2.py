@@ -65,7 +65,6 @@ class GPT2Gen:
         self.tokenizer = tokenizer
         self.eos_id: int | None = tokenizer.sep_token_id
         self.max_context: int = config.n_positions
-        self.calls: list[tuple[str, tuple[int, ...]]] = []  # (kind, seq ids) per prefill/decode call
         self._pieces = tokenizer.convert_ids_to_tokens(list(range(config.vocab_size)))
         self._special = set(tokenizer.all_special_ids)
         self._live: set[int] = set()  # sequences prefilled and not released
@@ -142,11 +141,9 @@ class GPT2Gen:
         return [next(tokens) if c.sample else None for c in chunks]
 
     def prefill(self, chunks: list[Chunk]) -> list[int | None]:
-        self.calls.append(("prefill", tuple(c.sid for c in chunks)))
         return self._choose(chunks) if chunks else []
 
     def decode(self, chunks: list[Chunk]) -> list[int]:
-        self.calls.append(("decode", tuple(c.sid for c in chunks)))
         for c in chunks:
             if c.sid not in self._live:
                 raise ModelError(f"decode of sequence {c.sid}, which has no cache (never prefilled or released)")

@@ -13,8 +13,8 @@
   up to it, read back through the block table: the next token is a function of the whole
   context, so a wrong block table, a bad shared prefix or a lost token changes the output.
   A prompt containing ``__poison__`` fails its prefill; ``eos_after=N`` ends every sequence
-  after N tokens unless the request says ``ignore_eos``. Every call is logged in ``calls``
-  (kind, seq ids).
+  after N tokens unless the request says ``ignore_eos``. It keeps no log of its calls
+  (a server runs it for hours; ``tests/fakes.CallLog`` logs them for a test).
 """
 
 from __future__ import annotations
@@ -113,7 +113,6 @@ class SyntheticGen:
     name: str = ""
     note: str | None = "synthetic: no model runs; tokens are placeholders"
     eos_id: int | None = 0
-    calls: list[tuple[str, tuple[int, ...]]] = field(default_factory=list, repr=False)  # (kind, seq ids)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -168,7 +167,6 @@ class SyntheticGen:
 
     # -- the two steps --------------------------------------------------------------------
     def prefill(self, chunks: list[Chunk]) -> list[int | None]:
-        self.calls.append(("prefill", tuple(c.sid for c in chunks)))
         self.sleep(self.prefill_cost_ms(sum(len(c.tokens) for c in chunks)) / 1000)
         if any(POISONED in c.tokens for c in chunks):
             raise ModelError("poisoned prompt")
@@ -180,7 +178,6 @@ class SyntheticGen:
         return out
 
     def decode(self, chunks: list[Chunk]) -> list[int]:
-        self.calls.append(("decode", tuple(c.sid for c in chunks)))
         self.sleep(self.step_cost_ms(len(chunks)) / 1000)
         for c in chunks:
             if c.sid not in self._live:

@@ -28,7 +28,6 @@ from starlette.routing import Route
 
 from .. import wire
 from ..config import ServerConfig
-from ..engine import BatchEngine, StepEngine
 from ..models import GenModel, Model
 from .encode import post_predict, post_root
 from .generate import post_generate
@@ -76,9 +75,9 @@ def stats_dict(rt: Runtime, batches: int = 0, lag: bool = False, steps: int = 0)
     }
     if rt.engine is not None:
         out.update(rt.engine.stats())
-        if batches and isinstance(rt.engine, BatchEngine):
-            out["recent_batches"] = [vars(b) for b in list(rt.engine.batches)[-batches:]]
-        if steps and isinstance(rt.engine, StepEngine):
+        if batches:
+            out["recent_batches"] = rt.engine.batch_log(batches)
+        if steps:
             out["recent_steps"] = rt.engine.step_log(steps)
     if lag:
         out["loop_lag_samples"] = list(rt.lag.samples)

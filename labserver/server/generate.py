@@ -16,25 +16,24 @@ the next step boundary, so it is never decoded further.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from .. import wire
-from ..engine import Seq, StepEngine
+from ..engine import GenEngine, Seq
 from ..models import GenModel
-from .handling import (ClientError, ClientWatch, FastJSON, answer, check_text, deadline_end_s, describe, error_body,
-                       log_failure, parse_json)
+from .handling import ClientError, ClientWatch, FastJSON, answer, check_text, deadline_end_s, error_body, parse_json
 from .runtime import Runtime
+from .streaming import write_stream
 
-__all__ = ["GenParams", "parse_generate", "post_generate", "result_body", "timing", "wait_all", "wait_first_token"]
+__all__ = ["GenParams", "generation_engine", "parse_generate", "post_generate", "result_body", "timing", "wait_all",
+           "wait_first_token"]
 
 DEFAULT_MAX_NEW_TOKENS = 64
 _FIELDS = {"prompt": str, "max_new_tokens": int, "stream": bool, "ignore_eos": bool}
@@ -68,6 +67,13 @@ def parse_generate(body: bytes, max_new_tokens_cap: int, max_chars: int) -> GenP
         raise ClientError("bad_request", f'"max_new_tokens" must be between 1 and {max_new_tokens_cap} '
                                          f"(the server's cap), got {params.max_new_tokens}")
     return params
+
+
+def generation_engine(rt: Runtime, why: str) -> GenEngine:
+    """The server's engine, asked whether it generates; if not, a 400 that says ``why``."""
+    if rt.engine is None or rt.engine.kind != "generate":
+        raise ClientError("bad_request", why)
+    return cast(GenEngine, rt.engine)
 
 
 async def wait_first_token(rt: Runtime, request: Request, seq: Seq, t0: float) -> None:
@@ -125,50 +131,43 @@ def _event(kind: bytes, data: Any) -> bytes:
     return kind + b"data: " + orjson.dumps(data) + b"\n\n"
 
 
-async def stream_events(rt: Runtime, seq: Seq, rid: str, t0: float) -> AsyncIterator[bytes]:
-    """Token events as the engine makes them (all that are ready in one chunk), then done or error."""
-    model: GenModel = rt.model  # type: ignore[assignment]
-    sent, answered = 0, False
-    try:
-        while True:
-            if len(seq.tokens) > sent:
-                ready = seq.tokens[sent:]
-                yield b"".join(_event(wire.SSE_TOKEN, {"index": sent + k, "id": t, "text": model.token_text(t)})
-                               for k, t in enumerate(ready))
-                sent += len(ready)
-            elif seq.future.done():
-                break
-            else:
-                await asyncio.wait({seq.next_change(), seq.future}, return_when=asyncio.FIRST_COMPLETED)
-        error = None if seq.future.cancelled() else seq.future.exception()
-        answered = True
-        if error is None:
-            rt.answered(time.perf_counter() - t0)
-            yield _event(wire.SSE_DONE, result_body(model, seq, t0, time.perf_counter()))
-        else:
-            log_failure(rid, error)
-            kind, message, _ = describe(error)
-            rt.statuses[wire.ERROR_TYPES[kind]] += 1  # counted by what it would have been, though the status was 200
-            yield _event(wire.SSE_ERROR, error_body(kind, message, rid, error, rt.config.debug))
-    finally:
-        seq.future.cancel()  # a no-op once answered; a client that left mid-stream frees its slot
-        if not answered:
-            rt.statuses[499] += 1  # it began as a 200, but its client left: one outcome, counted once
+class _Events:
+    """``/generate``'s stream: one event per token, then ``done`` (the whole answer) or ``error``."""
+
+    def __init__(self, rt: Runtime, seq: Seq, rid: str, t0: float) -> None:
+        self.rt, self.seq, self.rid, self.t0 = rt, seq, rid, t0
+        self.model: GenModel = rt.model  # type: ignore[assignment]
+        self.sent = 0
+
+    def pending(self) -> bytes:
+        ready = self.seq.tokens[self.sent:]
+        events = b"".join(_event(wire.SSE_TOKEN, {"index": self.sent + k, "id": t, "text": self.model.token_text(t)})
+                          for k, t in enumerate(ready))
+        self.sent += len(ready)
+        return events
+
+    def open(self) -> list[Seq]:
+        return [] if self.seq.future.done() else [self.seq]
+
+    def done(self) -> bytes:
+        return _event(wire.SSE_DONE, result_body(self.model, self.seq, self.t0, time.perf_counter()))
+
+    def failed(self, kind: str, message: str, error: BaseException) -> bytes:
+        return _event(wire.SSE_ERROR, error_body(kind, message, self.rid, error, self.rt.config.debug))
 
 
 async def _generate(rt: Runtime, request: Request, body: bytes, rid: str, t0: float) -> Response:
-    engine = rt.engine
-    if not isinstance(engine, StepEngine):
-        raise ClientError("bad_request", f"this server runs the encoder strategy {rt.strategy.name}; "
-                                         f"{wire.GENERATE_PATH} needs a gen-* strategy and a generative model "
-                                         "(labserver serve --strategy gen-continuous --model gpt2-random)")
+    engine = generation_engine(rt, f"this server runs the encoder strategy {rt.strategy.name}; "
+                                   f"{wire.GENERATE_PATH} needs a gen-* strategy and a generative model "
+                                   "(labserver serve --strategy gen-continuous --model gpt2-random)")
     params = parse_generate(body, rt.config.max_new_tokens, rt.config.max_chars)
     prompt_ids = rt.model.encode(params.prompt)  # type: ignore[union-attr]  # InputRejected: 400
     seq = engine.submit(prompt_ids, params.max_new_tokens, ignore_eos=params.ignore_eos, request_id=rid)
     await wait_first_token(rt, request, seq, t0)
     headers = {wire.HEADER_REQUEST_ID: rid, wire.HEADER_QUEUE_MS: f"{(seq.admitted_s - seq.enqueued_s) * 1000:.3f}"}
     if params.stream:
-        return StreamingResponse(stream_events(rt, seq, rid, t0), media_type="text/event-stream",
+        return StreamingResponse(write_stream(rt, [seq], rid, t0, _Events(rt, seq, rid, t0)),
+                                 media_type="text/event-stream",
                                  headers={**headers, "cache-control": "no-cache"})
     await wait_all(request, seq)
     now = time.perf_counter()

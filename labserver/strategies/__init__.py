@@ -5,7 +5,9 @@
   ``queue.empty()``, and returns the batch and why it left. One model call answers it.
 - generation (``kind = "generate"``, ``gen-*``): ``admit(queue, running, clock)`` returns
   the sequences that join the running batch at this step boundary (one model call per token),
-  ``fits`` how much KV memory a sequence must find to join, ``victim`` whom to preempt.
+  ``order`` in what order the waiting are considered, ``fits`` how much KV memory a sequence
+  must find to join, ``compose`` the model calls of a step, ``victim`` whom to preempt and
+  ``leaving`` who leaves after a call. The engine's scheduler asks; it decides nothing itself.
 
 One room, three files: ``base`` (``Limits``, ``Strategy``, the registry), ``encode`` and
 ``generate`` (the rules); everything is importable from here.
@@ -13,8 +15,9 @@ One room, three files: ``base`` (``Limits``, ``Strategy``, the registry), ``enco
 The rest (dropping the gone, running the model, answering) is the engine's, so a rule
 is testable on a virtual clock without HTTP or torch (``labserver.engine.virtual``).
 ``offload = True`` runs the model on a dedicated thread instead of the event loop.
-Adding a strategy: subclass ``Strategy`` (or ``GenStrategy``), set ``name``, write
-``collect`` (or ``admit``), decorate it with ``@register``. Nothing else changes.
+Adding a strategy: subclass ``Strategy`` (or a ``GenStrategy``), set ``name``, write
+``collect`` (or override the one rule that differs: ``admit``, ``order``, ...), decorate it
+with ``@register``. Nothing else changes.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from __future__ import annotations
 from .base import (STRATEGIES, Admission, Batch, Clock, Limits, Queue, Strategy, describe, make_strategy, register,
                    strategy_names)
 from .encode import SLO, Adaptive, BatchCost, Deadline, Naive, PerFetch, Thread
-from .generate import GenContinuous, GenHFContinuous, GenNaive, GenPaged, GenStatic, GenStrategy, Running
+from .generate import Call, GenContinuous, GenHFContinuous, GenNaive, GenPaged, GenStatic, GenStrategy, Running
 
-__all__ = ["SLO", "STRATEGIES", "Adaptive", "Admission", "Batch", "BatchCost", "Clock", "Deadline", "GenContinuous",
+__all__ = ["SLO", "STRATEGIES", "Adaptive", "Admission", "Batch", "BatchCost", "Call", "Clock", "Deadline", "GenContinuous",
            "GenHFContinuous", "GenNaive", "GenPaged", "GenStatic", "GenStrategy", "Limits", "Naive", "PerFetch", "Queue",
            "Running", "Strategy", "Thread", "describe", "make_strategy", "register", "strategy_names"]

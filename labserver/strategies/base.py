@@ -19,11 +19,15 @@ __all__ = ["STRATEGIES", "Admission", "Batch", "Clock", "Limits", "Queue", "Stra
 
 
 class Queue(Protocol):
-    async def get(self, timeout_s: float | None = None) -> Any: ...
+    async def get(self, timeout_s: float | None = None) -> Any: ...  # the next request; None after timeout_s
 
     def empty(self) -> bool: ...
 
-    def putback(self, item: Any) -> None: ...
+    def putback(self, item: Any) -> None: ...  # back to the head: it goes first next time
+
+    def waiting(self) -> list[Any]: ...  # every live request, in arrival order, left in the queue
+
+    def take(self, items: list[Any]) -> None: ...  # remove these (read from waiting()): they were admitted
 
 
 Clock = Callable[[], float]

@@ -1,9 +1,19 @@
-"""Generation rules (gen-*): who joins the running batch at this step boundary, and how much KV memory it must find.
+"""Generation rules (gen-*): who joins, how a step is composed, whom to preempt, who leaves.
 
-``admit(queue, running, clock)`` returns the sequences that join the running batch
-(one model call per token); ``fits`` is the memory rule behind it (reserve the worst
-case, or take the blocks a prompt needs now), ``victim`` whom to preempt when a step
-finds no free block. The engine (``labserver.engine.step``) does the rest.
+The engine's scheduler (``labserver.engine.scheduler``) asks a rule four questions, and
+their answers are everything that differs between one gen-* strategy and another:
+
+- ``admit(queue, running, clock)``: who joins the running batch at this step boundary
+  (``order``: in what order the waiting are considered; ``fits``: how much KV memory one
+  must find free to join);
+- ``compose(running)``: the model calls of one step, each built once the one before it
+  has been applied (eager: the newcomers' prompts, then one decode for everyone; chunked:
+  decodes and prompt pieces in one call);
+- ``victim(running)``: whom a call that finds no free KV block preempts;
+- ``leaving(running)``: who leaves the batch after a call.
+
+The scheduler does the bookkeeping (blocks, counters, the step log) and the engine runs
+the model; neither decides anything these methods decide.
 """
 
 from __future__ import annotations
@@ -12,12 +22,15 @@ import math
 from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol
 
-from .base import Admission, Clock, Queue, Strategy, register
+from .base import Admission, Clock, Limits, Queue, Strategy, register
 
-__all__ = ["GenContinuous", "GenHFContinuous", "GenNaive", "GenPaged", "GenStatic", "GenStrategy", "Running"]
+__all__ = ["Call", "GenContinuous", "GenHFContinuous", "GenNaive", "GenPaged", "GenStatic", "GenStrategy", "Running"]
+
+Call = tuple[str, list[tuple[Any, int]]]  # ("prefill" | "decode" | "mixed", [(sequence, tokens it computes)])
+
 
 class Running(Protocol):
-    """The sequences admitted and not done, and the KV blocks they hold, as an admission rule sees them."""
+    """The sequences admitted and not done, and the KV blocks they hold, as a rule sees them."""
 
     def __len__(self) -> int: ...
 
@@ -53,13 +66,20 @@ class GenStrategy(Strategy):
 
     kind = "generate"
     offload = True  # every generation strategy keeps the model off the event loop
-    holds_finished: ClassVar[bool] = False  # True: finished sequences wait for the whole batch
-    scheduler: ClassVar[str] = "labserver"  # "transformers": the steps happen in transformers' own manager
+    prefills: ClassVar[tuple[str, ...]] = ("eager", "budget")  # the Limits.prefill modes its rules compose
 
-    chunks_prefill: ClassVar[bool] = False  # True: it joins at every step, so prefill="chunked" applies
+    def __init__(self, limits: Limits | None = None) -> None:
+        super().__init__(limits)
+        if self.limits.prefill not in self.prefills:
+            raise ValueError(f"prefill={self.limits.prefill!r} needs a strategy that joins at every step "
+                             f"(gen-continuous, gen-paged), not {self.name}")
 
     async def admit(self, queue: Queue, running: Running, clock: Clock) -> Admission:
         raise NotImplementedError
+
+    def order(self, waiting: list[Any]) -> list[Any]:
+        """The order in which the waiting are considered for admission: first come, first served."""
+        return waiting
 
     def fits(self, seq: Any, running: Running, joining: list[Any]) -> bool:
         """Reservation: blocks for its prompt and all it may generate, held from admission to its end."""
@@ -68,10 +88,25 @@ class GenStrategy(Strategy):
         wanted = sum(running.blocks_for(s.reserve) for s in (*joining, seq))
         return running.reserved_blocks + wanted <= running.total_blocks
 
+    def compose(self, running: Running) -> Iterator[Call]:
+        """One step, eager: the prompts of those not yet prefilled, whole, in one call; then one decode
+        for every running sequence (gen-static's finished ones too: computed as padding, as
+        ``model.generate`` computes a batch's finished rows). Each call is built when the one before
+        it has been applied, so the decode sees who the prefill finished or failed."""
+        joined = [s for s in running if not s.decoding]
+        if joined:
+            yield "prefill", [(s, s.pending) for s in joined]
+        if len(running):
+            yield "decode", [(s, 1) for s in running]
+
     def victim(self, running: Running) -> Any:
         """Whom a step that finds no free block preempts: the most recently admitted (under reservation
         it never comes to this)."""
         return list(running)[-1]
+
+    def leaving(self, running: Running) -> list[Any]:
+        """Who leaves the running batch after a call: the finished, at once."""
+        return [s for s in running if s.finished]
 
 
 @register
@@ -96,7 +131,6 @@ class GenStatic(GenStrategy):
     """
 
     name = "gen-static"
-    holds_finished = True
 
     async def admit(self, queue: Queue, running: Running, clock: Clock) -> Admission:
         if len(running):
@@ -116,6 +150,11 @@ class GenStatic(GenStrategy):
             batch.append(seq)
         return batch, "full"
 
+    def leaving(self, running: Running) -> list[Any]:
+        """Nobody until the whole batch is done: the finished wait for its longest member."""
+        seqs = list(running)
+        return seqs if all(s.finished for s in seqs) else []
+
 
 @register
 class GenContinuous(GenStrategy):
@@ -123,27 +162,41 @@ class GenContinuous(GenStrategy):
 
     ``prefill="budget"`` caps the prompt tokens prefilled between two decode steps
     (``max_prefill_tokens``), so a burst of new prompts stalls the running streams for
-    a bounded time instead of all at once.
+    a bounded time instead of all at once. ``prefill="chunked"`` makes every step one call:
+    each running stream's next token, then pieces of the prompts still being prefilled in
+    what is left of ``max_step_tokens``, so a long prompt never stalls the streams at all.
     """
 
     name = "gen-continuous"
-    chunks_prefill = True
+    prefills = ("eager", "budget", "chunked")
 
     async def admit(self, queue: Queue, running: Running, clock: Clock) -> Admission:
-        joining = [] if len(running) else [await queue.get()]  # nothing to decode: wait for work
+        if not len(running):
+            queue.putback(await queue.get())  # nothing to decode: wait for work
         budget = self.limits.max_prefill_tokens if self.limits.prefill == "budget" else math.inf
-        prompt_tokens = sum(len(s.prompt_ids) for s in joining)
-        while not queue.empty():
-            seq = await queue.get(0)
-            if seq is None:
-                break
+        joining: list[Any] = []
+        prompt_tokens = 0
+        for seq in self.order(queue.waiting()):
             over_budget = joining and prompt_tokens + len(seq.prompt_ids) > budget
             if over_budget or not self.fits(seq, running, joining):
-                queue.putback(seq)  # first in line next time: nobody overtakes it
-                break
+                break  # it stays first in line: nobody overtakes it
             joining.append(seq)
             prompt_tokens += len(seq.prompt_ids)
+        queue.take(joining)
         return joining, "join" if len(running) else "start"
+
+    def compose(self, running: Running) -> Iterator[Call]:
+        if self.limits.prefill != "chunked":
+            yield from super().compose(running)
+            return
+        decodes = [(s, 1) for s in running if s.decoding]  # decodes first: a stream never waits for a prompt
+        room = self.limits.max_step_tokens - len(decodes)
+        pieces = []
+        for seq in running:
+            if not seq.decoding and room > 0:
+                pieces.append((seq, min(seq.pending, room)))
+                room -= pieces[-1][1]
+        yield ("mixed" if decodes and pieces else "prefill" if pieces else "decode"), decodes + pieces
 
 
 @register
@@ -174,10 +227,15 @@ class GenPaged(GenContinuous):
 class GenHFContinuous(GenStrategy):
     """transformers' ContinuousBatchingManager (its own thread, scheduler and paged cache), fed from our queue.
 
-    labserver keeps the queue, so 503, 504 and leaving clients work as for the others; at
-    most ``max_batch_size`` requests are handed over at once, ``max_kv_tokens`` sizes its
-    cache (``labserver.engine.hfcb``). There is no step log: the steps happen inside it.
+    labserver keeps the queue, so 503, 504 and leaving clients work as for the others; the
+    rule here is only how many are handed over: one at a time, while fewer than
+    ``max_batch_size`` run (``max_kv_tokens`` sizes the manager's cache). Every other
+    decision is the manager's, in its own engine (``labserver.engine.hfcb``): there is no step log.
     """
 
     name = "gen-hf-cb"
-    scheduler = "transformers"
+
+    async def admit(self, queue: Queue, running: Running, clock: Clock) -> Admission:
+        if len(running) >= self.limits.cap:
+            return [], "full"  # the engine waits for one to leave
+        return [await queue.get()], "handed"

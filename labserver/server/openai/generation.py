@@ -12,15 +12,14 @@ first token is an ordinary error with its status, in OpenAI's shape
 
 A failure after the first chunk ends the stream with ``data: {"error": {...}}`` and
 ``[DONE]``; a client that leaves mid-stream cancels its sequences, which the engine
-drops at the next step, as on ``/generate``. Text is built by ``openai.text.TextStream``
+drops at the next step: the ending is ``/generate``'s (``labserver.server.streaming``). Text is built by ``openai.text.TextStream``
 (stop strings cut, nothing of one streamed). Request fields: ``openai.params``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +28,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ... import wire
-from ...engine import Seq, StepEngine
+from ...engine import Seq
 from ...models import GenModel
-from ..generate import wait_all, wait_first_token
-from ..handling import ClientError, FastJSON, answer, describe, log_failure
+from ..generate import generation_engine, wait_all, wait_first_token
+from ..handling import FastJSON, answer
 from ..runtime import Runtime
+from ..streaming import write_stream
 from .catalog import check_model, served_name
 from .errors import openai_error_body, openai_failure
 from .params import COMPLETION_DEFAULT_MAX_TOKENS, GenRequest, parse_request
@@ -96,33 +96,14 @@ def chat_template(model: GenModel) -> Callable[[list[dict[str, str]]], str] | No
     return lambda messages: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def _engine(rt: Runtime) -> StepEngine:
-    if not isinstance(rt.engine, StepEngine):
-        raise ClientError("bad_request", f"this server runs the encoder strategy {rt.strategy.name}: it answers "
-                                         f"{wire.V1_EMBEDDINGS_PATH}; completions need a gen-* strategy")
-    return rt.engine
-
-
-def _check_strategy(rt: Runtime, req: GenRequest) -> None:
-    """gen-hf-cb hands token ids to transformers' manager, which decodes greedily to EOS or the limit."""
-    if getattr(rt.strategy, "scheduler", "labserver") != "transformers":
-        return
-    for name, asked in (("temperature", req.sampling is not None), ("stop", bool(req.stop)),
-                        ("min_tokens", req.min_tokens > 0)):
-        if asked:
-            raise ClientError("bad_request", f'"{name}": {rt.strategy.name} runs transformers\' continuous batching '
-                                             "manager, which decodes greedily to EOS or max_tokens; serve with "
-                                             "gen-continuous for sampling, stop strings and min_tokens", name)
-
-
 async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float, *, chat: bool) -> Response:
-    engine = _engine(rt)
+    engine = generation_engine(rt, f"this server runs the encoder strategy {rt.strategy.name}: it answers "
+                                   f"{wire.V1_EMBEDDINGS_PATH}; completions need a gen-* strategy")
     model: GenModel = rt.model  # type: ignore[assignment]
     cfg = rt.config
     req = parse_request(body, chat=chat, max_chars=cfg.max_chars, max_tokens_cap=cfg.max_new_tokens,
                         max_prompts=cfg.max_inputs, template=chat_template(model) if chat else None)
     check_model(rt, req.model)
-    _check_strategy(rt, req)
     prompts = [model.encode(p) for p in req.prompts]  # InputRejected: 400
     seqs: list[Seq] = []
     try:
@@ -144,7 +125,8 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
     if req.ignored:
         headers[wire.HEADER_IGNORED_FIELDS] = ", ".join(req.ignored)
     if req.stream:
-        return StreamingResponse(_stream(rt, reply, seqs, t0), media_type="text/event-stream",
+        return StreamingResponse(write_stream(rt, seqs, rid, t0, _Chunks(reply, seqs, model)),
+                                 media_type="text/event-stream",
                                  headers={**headers, "cache-control": "no-cache"})
     for seq in seqs:
         await wait_all(request, seq)
@@ -171,57 +153,44 @@ def _stop_reason(seq: Seq, text: TextStream, req: GenRequest) -> str | None:
     return next((s for s in req.stop if s in text.decode(seq.tokens)), None)
 
 
-async def _stream(rt: Runtime, reply: _Reply, seqs: list[Seq], t0: float) -> AsyncIterator[bytes]:
-    """Chunks as the engine makes tokens (every choice's new text of a step in one write), then usage and [DONE]."""
-    model: GenModel = rt.model  # type: ignore[assignment]
-    texts = [TextStream(model.text, reply.req.stop) for _ in seqs]
-    open_ = set(range(len(seqs)))  # choices not yet finished
-    first, answered = True, False
-    try:
-        while open_:
-            failed = next((s for s in seqs if s.future.done() and not s.future.cancelled()
-                           and s.future.exception() is not None), None)
-            if failed is not None:
-                yield _failure(rt, reply.rid, failed.future.exception())  # type: ignore[arg-type]
-                answered = True
-                return
-            choices = []
-            for i in sorted(open_):
-                seq, text = seqs[i], texts[i]
-                ended = seq.future.done() and not seq.future.cancelled()
-                piece = text.push(seq.tokens, ended)
-                if text.stopped and not ended:
-                    seq.future.cancel()  # the text shows a stop string: this one is done, free its place
-                    ended = True
-                reason = finish_reason(seq, text) if ended else None
-                if piece or reason or (first and reply.req.chat):
-                    choices.append(reply.choice(i, piece, reason, first=first,
-                                                stop_reason=_stop_reason(seq, text, reply.req) if reason else None))
-                if ended:
-                    open_.discard(i)
-            if choices:
-                first = False
-                yield reply.chunk(choices)
-            if open_:
-                waits = {f for i in open_ for f in (seqs[i].next_change(), seqs[i].future)}
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        answered = True
-        rt.answered(time.perf_counter() - t0)
-        tail = reply.chunk([], usage(seqs)) if reply.req.include_usage else b""
-        yield tail + wire.SSE_DATA_DONE
-    finally:
-        for seq in seqs:
-            seq.future.cancel()  # a no-op once answered; a client that left mid-stream frees its place
-        if not answered:
-            rt.statuses[499] += 1  # it began as a 200, but its client left: one outcome, counted once
+class _Chunks:
+    """The /v1 stream: a chunk per write with every choice's new text, then usage and ``[DONE]``."""
 
+    def __init__(self, reply: _Reply, seqs: list[Seq], model: GenModel) -> None:
+        self.reply, self.seqs = reply, seqs
+        self.texts = [TextStream(model.text, reply.req.stop) for _ in seqs]
+        self.open_ = set(range(len(seqs)))  # choices not yet finished
+        self.first = True
 
-def _failure(rt: Runtime, rid: str, error: BaseException) -> bytes:
-    """The error event that ends a stream after its first chunk (counted as the status it would have had)."""
-    log_failure(rid, error)
-    kind, message, _ = describe(error)
-    rt.statuses[wire.ERROR_TYPES[kind]] += 1
-    return wire.SSE_DATA + orjson.dumps(openai_error_body(kind, message)) + b"\n\n" + wire.SSE_DATA_DONE
+    def pending(self) -> bytes:
+        choices, req = [], self.reply.req
+        for i in sorted(self.open_):
+            seq, text = self.seqs[i], self.texts[i]
+            ended = seq.future.done() and not seq.future.cancelled() and seq.future.exception() is None
+            piece = text.push(seq.tokens, ended)
+            if text.stopped and not ended:
+                seq.future.cancel()  # the text shows a stop string: this one is done, free its place
+                ended = True
+            reason = finish_reason(seq, text) if ended else None
+            if piece or reason or (self.first and req.chat):
+                choices.append(self.reply.choice(i, piece, reason, first=self.first,
+                                                 stop_reason=_stop_reason(seq, text, req) if reason else None))
+            if ended:
+                self.open_.discard(i)
+        if not choices:
+            return b""
+        self.first = False
+        return self.reply.chunk(choices)
+
+    def open(self) -> list[Seq]:
+        return [self.seqs[i] for i in self.open_]
+
+    def done(self) -> bytes:
+        tail = self.reply.chunk([], usage(self.seqs)) if self.reply.req.include_usage else b""
+        return tail + wire.SSE_DATA_DONE
+
+    def failed(self, kind: str, message: str, error: BaseException) -> bytes:
+        return wire.SSE_DATA + orjson.dumps(openai_error_body(kind, message)) + b"\n\n" + wire.SSE_DATA_DONE
 
 
 async def post_completions(request: Request) -> Response:

@@ -1,0 +1,83 @@
+"""What every generation engine shares: a request becomes a ``Seq`` on the queue; the running are counted.
+
+Two engines generate: ``StepEngine`` (labserver's own steps, asked of a ``Scheduler``) and
+``HFEngine`` (transformers' manager decides the steps). Both take requests the same way
+(``submit``: checked, counted at the door, queued as one ``Seq``), cut the running short
+the same way after a drain, and count the same outcomes (``GenCounters``); neither
+inherits from the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..models import GREEDY, InputRejected, Sampling
+from .base import Counters, EngineBase, ShuttingDown
+from .counters import Metric, count, gauge, tally
+from .sequence import Seq
+
+__all__ = ["GenCounters", "GenEngine"]
+
+
+@dataclass
+class GenCounters(Counters):
+    requests_prefilled: int = count("Sequences whose prompt was computed (their first token made)")
+    tokens_generated: int = count("Tokens generated for clients")
+    finished: Counter[str] = tally("Sequences answered, by finish reason (length, eos, stop)", "reason")
+    left_while_generating: int = count("Sequences dropped mid-generation: their client left")
+    prefill_reasons: Counter[str] = tally("Admissions by why they happened (start, join, single, full, ...)",
+                                          "reason")
+
+
+class GenEngine(EngineBase):
+    """A generation engine's request side: ``submit``, the running sequences, ``cut_short``."""
+
+    counters: GenCounters
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sids = itertools.count(1)
+
+    @property
+    def running(self) -> Any:
+        """The sequences admitted and not yet done (``len`` and iteration)."""
+        raise NotImplementedError
+
+    def check(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None,
+              stop: Sequence[str], min_tokens: int) -> None:
+        """Raise InputRejected for a request this engine can never serve (the model's context here)."""
+        need = len(prompt_ids) + max_new_tokens
+        if need > self.model.max_context:
+            raise InputRejected(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) is "
+                                f"{need}, over the model's context of {self.model.max_context} tokens")
+
+    def submit(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False, request_id: str = "",
+               sampling: Sampling | None = None, stop: Sequence[str] = (), min_tokens: int = 0) -> Seq:
+        """Queue one sequence. Raises InputRejected (too long), Overloaded, ShuttingDown or WorkerDied.
+
+        ``sampling`` None is greedy; ``stop`` strings end it early ("stop"); EOS cannot end it
+        before ``min_tokens`` (the model never chooses EOS before then).
+        """
+        self.check(prompt_ids, max_new_tokens, sampling, stop, min_tokens)
+        self.admit_or_refuse(1)
+        now = self.clock()
+        if min_tokens and not ignore_eos:
+            sampling = replace(sampling or GREEDY, eos_from=len(prompt_ids) + min_tokens)
+        seed = hash((tuple(prompt_ids), sampling.seed if sampling else None))  # its EOS stand-in: per request
+        seq = Seq(next(self._sids), prompt_ids, max_new_tokens, asyncio.get_running_loop().create_future(), now,
+                  self.deadline_s(now), ignore_eos, request_id, sampling, tuple(stop), min_tokens,
+                  eos_prob=self.limits.eos_prob, eos_seed=seed)
+        self.queue.put([seq])
+        return seq
+
+    def cut_short(self) -> None:
+        """After a drain, the sequences still generating are cut short (503, or an error event mid-stream)."""
+        self.fail(list(self.running), ShuttingDown("server is shutting down; generation stopped"))
+
+    def metrics(self) -> list[Metric]:
+        return [*super().metrics(), gauge("running", "Sequences in the running batch", len(self.running))]

@@ -1,0 +1,273 @@
+"""The scheduler: waiting and running sequences, their KV blocks, and the plan of each model call.
+
+One room for every decision about who is computed next, and all of them are the
+strategy's (``labserver.strategies.generate``); the scheduler asks and keeps the books::
+
+    await scheduler.admit()                 a step boundary
+        strategy.admit(queue, running, clock) -> who joins; the gone are dropped, the expired
+            answered 504, the joining get their block tables (a prefix cache may already hold
+            their first blocks); strategy.compose(running) -> the step's calls, one at a time
+    plan = scheduler.next_call()            the step's next call (None: the step is over)
+        blocks for every position it writes; when none is free, strategy.victim(running) is
+            preempted (blocks back, requeued at the head, recomputed later)
+    ... the engine runs the model on plan.chunks ...
+    scheduler.apply(plan, outputs, start_s, end_s)
+        positions computed, tokens emitted, failures, counters, the step record;
+        strategy.leaving(running) -> who leaves the batch
+
+``released`` lists the sequences whose KV the model may drop (finished, failed, gone,
+preempted): the engine tells the model before its next call. Nothing here runs the model,
+knows torch or HTTP; the same scheduler runs on a virtual clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..models import Chunk
+from ..strategies import GenStrategy
+from ..strategies.generate import Call
+from .blocks import BlockManager
+from .counters import count, sizes
+from .genbase import GenCounters
+from .sequence import Seq
+
+__all__ = ["Plan", "Running", "Scheduler", "StepCounters", "StepRecord"]
+
+Work = list[tuple[Seq, int]]  # a model call: each sequence and how many of its pending tokens it computes
+
+
+@dataclass
+class StepRecord:
+    step: int
+    kind: str  # "prefill" | "decode" | "mixed" (chunked prefill: prompt pieces and decodes in one call)
+    start_s: float  # clock, s
+    end_s: float
+    seqs: tuple[int, ...]  # sequence ids in the model call
+    idle: tuple[int, ...] = ()  # among seqs: already finished, computed anyway (request-level batching's waste)
+    kv_tokens: int = 0  # tokens cached by running sequences after the call
+    kv_reserved: int = 0  # prompt + max_new_tokens of every running sequence
+    tokens: int = 0  # tokens computed in the call (prompt pieces + one per decode)
+    prefilling: tuple[int, ...] = ()  # among seqs: those whose prompt (or a piece, or a recompute) was computed
+    preempted: tuple[int, ...] = ()  # sequences preempted to make room for this call (requeued, recomputed later)
+    blocks_used: int = 0  # KV blocks after the call: in a running sequence's table
+    blocks_cached: int = 0  # in none, kept for the prefix cache
+    blocks_free: int = 0
+
+
+@dataclass
+class StepCounters(GenCounters):
+    prefill_calls: int = count("Prefill model calls (more than prefills when a failed one was split and retried)")
+    decode_steps: int = count("Model calls that decoded (decode or mixed steps)")
+    idle_tokens: int = count("Tokens computed for sequences already finished (static batching's padding)")
+    step_size_histogram: Counter[int] = sizes("Sequences per decode step")
+    preemptions: int = count("Sequences preempted for KV blocks (freed, requeued, recomputed)")
+    recomputed_tokens: int = count("Tokens prefilled again after a preemption")
+    prompt_tokens: int = count("Prompt tokens of admitted sequences (first admission)")
+    cached_tokens: int = count("Of those, tokens whose KV the prefix cache held (not computed)")
+
+
+@dataclass
+class Plan:
+    """One model call: who, how many tokens each, and where their KV lives."""
+
+    kind: str  # "prefill" | "decode" | "mixed"
+    work: Work
+    chunks: list[Chunk]  # one per entry of work, for the model
+    preempted: list[Seq] = field(default_factory=list)  # taken out to make room for it
+
+
+class Running:
+    """The sequences admitted and not yet done, and the KV blocks they hold, as a rule sees them."""
+
+    def __init__(self, blocks: BlockManager) -> None:
+        self.seqs: list[Seq] = []  # in admission order: the last one is the newest
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __iter__(self) -> Iterator[Seq]:
+        return iter(self.seqs)
+
+    @property
+    def reserved(self) -> int:
+        return sum(s.reserve for s in self.seqs)
+
+    @property
+    def kv_tokens(self) -> int:
+        return sum(s.kv_tokens for s in self.seqs)
+
+    @property
+    def total_blocks(self) -> int:
+        return self.blocks.total
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks a sequence could take now (the prefix cache's unreferenced ones included)."""
+        return self.blocks.available
+
+    @property
+    def reserved_blocks(self) -> int:
+        return sum(self.blocks_for(s.reserve) for s in self.seqs)
+
+    def blocks_for(self, tokens: int) -> int:
+        return self.blocks.blocks_for(tokens)
+
+    def blocks_needed(self, seqs: Sequence[Seq]) -> int:
+        """Blocks these waiting sequences take if admitted now: their context and the token they make next,
+        less what a prefix cache shares with the running ones."""
+        return sum(self.blocks.cost(s.context, s.kv_tokens + 1) for s in seqs)
+
+
+class Scheduler:
+    """Asks the strategy who runs next and keeps the books (see the module docstring)."""
+
+    def __init__(self, strategy: GenStrategy, queue: Any, blocks: BlockManager, counters: StepCounters,
+                 clock: Callable[[], float], live: Callable[[list[Seq], float, str], list[Seq]],
+                 emit: Callable[[Seq, int, float], None], history: int = 20_000) -> None:
+        """``live`` drops the gone and answers the expired (the engine's door); ``emit`` hands a token over."""
+        self.strategy, self.queue, self.blocks, self.counters = strategy, queue, blocks, counters
+        self.clock, self.live, self.emit = clock, live, emit
+        self.running = Running(blocks)
+        self.released: list[int] = []  # sequences whose KV the model may drop, until the engine tells it
+        self.steps: deque[StepRecord] = deque(maxlen=history)
+        self._calls: Iterator[Call] = iter(())  # the step under way: the rest of its calls
+        self._step_ids = 0
+
+    # -- the plan -------------------------------------------------------------------------
+    def next_call(self) -> Plan | None:
+        """The next model call of the step under way, with its blocks; None at a step boundary."""
+        for kind, work in self._calls:
+            preempted = self._make_room(work)
+            work = [(s, n) for s, n in work if s not in preempted]
+            if work:
+                return Plan(kind, work, [self._chunk(s, n) for s, n in work], preempted)
+            self._retire()
+        return None
+
+    async def admit(self) -> None:
+        """A step boundary: who joins (the strategy's ``admit``, which waits while nothing runs); the gone
+        leave; the joining get their blocks; then the strategy composes the step's calls."""
+        joining, reason = await self.strategy.admit(self.queue, self.running, self.clock)
+        gone = [s for s in self.running if s.gone]
+        self.counters.left_while_generating += len(gone)
+        self._leave(gone)
+        now = self.clock()  # one reading for the deadline check and the prefill's start
+        joined = self._give_blocks(self.live(joining, now, "no first token before timeout_ms"), now)
+        if joined:
+            self.counters.prefill_reasons[reason] += 1
+        self.running.seqs.extend(joined)
+        self._calls = self.strategy.compose(self.running)
+
+    def _give_blocks(self, seqs: list[Seq], now: float) -> list[Seq]:
+        """The admitted get their block tables: the prefix cache's hits, then blocks for the rest and their next token.
+
+        The strategy admitted them because these blocks are available; should one still not
+        fit, it and those after it go back to the head of the queue, in order.
+        """
+        for i, seq in enumerate(seqs):
+            hit = self.blocks.start(seq.sid, seq.context)
+            if not self.blocks.grow(seq.sid, seq.kv_tokens + 1):
+                self.blocks.release(seq.sid)
+                for back in reversed(seqs[i:]):
+                    self.queue.putback(back)
+                return seqs[:i]
+            seq.computed, seq.seen = hit, False
+            if math.isnan(seq.admitted_s):  # its first admission (a preempted one keeps its first times)
+                seq.admitted_s = now
+                seq.cached_tokens = hit
+                self.counters.prompt_tokens += len(seq.prompt_ids)
+                self.counters.cached_tokens += hit
+            else:
+                self.counters.recomputed_tokens += seq.pending
+            if seq.deadline_s < now:  # live() used the same reading: impossible, counted anyway
+                self.counters.computed_after_deadline += 1
+        return seqs
+
+    def _make_room(self, work: Work) -> list[Seq]:
+        """Blocks for every position this call writes; when none is available, the strategy's victim
+        is preempted: blocks released, back to the head of the queue, recomputed when admitted again."""
+        preempted: list[Seq] = []
+        for seq, n in work:
+            while seq not in preempted and not self.blocks.grow(seq.sid, seq.computed + n):
+                victim = self.strategy.victim(self.running)
+                self.running.seqs.remove(victim)
+                self.blocks.release(victim.sid)
+                self.released.append(victim.sid)
+                victim.computed, victim.seen = 0, False
+                victim.preemptions += 1
+                self.counters.preemptions += 1
+                self.queue.putback(victim)  # several in one step: the oldest ends up first in line
+                preempted.append(victim)
+        return preempted
+
+    def _chunk(self, seq: Seq, n: int) -> Chunk:
+        """The next ``n`` of its pending tokens (a finished sequence: its last position, computed again)."""
+        start, prompt = seq.computed, seq.prompt_ids
+        tokens = prompt[start:start + n] + seq.tokens[max(0, start - len(prompt)):start + n - len(prompt)]
+        return Chunk(seq.sid, tokens, start, tuple(self.blocks.tables[seq.sid]), sample=start + n == seq.kv_tokens,
+                     sampling=seq.sampling, prompt_len=len(prompt))
+
+    # -- the outcome ------------------------------------------------------------------------
+    def apply(self, plan: Plan, outs: Sequence[Any], start_s: float, end_s: float) -> None:
+        """What follows from a call's outputs (a token, None for a prompt piece, or an exception per entry)."""
+        c = self.counters
+        decoding = {s.sid for s, _ in plan.work if s.decoding}  # (the rest computed prompt tokens)
+        idle, failed = [], []
+        for (seq, n), out in zip(plan.work, outs, strict=True):
+            if isinstance(out, Exception):
+                c.items_failed += 1
+                if not seq.future.done():
+                    seq.future.set_exception(out)
+                failed.append(seq)
+                continue
+            if seq.finished:  # held by gen-static: computed again in place, thrown away
+                idle.append(seq.sid)
+                continue
+            if not seq.tokens and seq.computed + n == seq.kv_tokens:
+                c.requests_prefilled += 1
+            seq.computed += n
+            seq.seen = True
+            self.blocks.computed(seq.sid, seq.context, seq.computed)
+            if out is not None:
+                if seq.sid in decoding:
+                    seq.steps += 1
+                    seq.step_batch_sum += len(plan.work)
+                self.emit(seq, out, end_s)
+                c.tokens_generated += 1
+        if plan.kind != "prefill":
+            c.decode_steps += 1
+            c.step_size_histogram[len(decoding) + len(idle)] += 1
+            c.idle_tokens += len(idle)
+        self._leave(failed)
+        prefilling = tuple(s.sid for s, _ in plan.work if s.sid not in decoding and not s.finished)
+        self._step_ids += 1
+        b = self.blocks
+        self.steps.append(StepRecord(self._step_ids, plan.kind, start_s, end_s, tuple(s.sid for s, _ in plan.work),
+                                     tuple(idle), self.running.kv_tokens, self.running.reserved,
+                                     sum(n for _, n in plan.work), prefilling,
+                                     tuple(s.sid for s in plan.preempted), b.used, b.cached, b.free))
+        self._retire()
+
+    def _retire(self) -> None:
+        done = self.strategy.leaving(self.running)
+        for seq in done:
+            self.counters.finished[seq.finish_reason or "?"] += 1
+            if not seq.future.done():
+                seq.future.set_result(seq)
+        self._leave(done)
+
+    def _leave(self, seqs: list[Seq]) -> None:
+        """Out of the batch (finished, failed, gone): blocks back; the model is told before its next call."""
+        if not seqs:
+            return
+        ids = {s.sid for s in seqs}
+        self.running.seqs[:] = [s for s in self.running.seqs if s.sid not in ids]
+        for sid in sorted(ids):
+            self.blocks.release(sid)
+            self.released.append(sid)

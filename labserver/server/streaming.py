@@ -1,0 +1,82 @@
+"""The one stream writer of ``/generate`` and the ``/v1`` routes: tokens as they come, then one ending.
+
+A stream has begun as a 200 once its first token is ready, so how it ends is the part
+both APIs must get right in the same way: every token once, in order; then exactly one
+of
+
+- answered: the API's last event (``done``; a usage chunk and ``[DONE]``), counted as a 200;
+- failed mid-way: the API's error event, logged and counted as the status it would have
+  had (500, 503), though the status line already said 200;
+- the client left: nothing more to send; counted once as 499, and its sequences cancelled,
+  so the engine drops them at the next step boundary.
+
+``write_stream`` is that loop; an API only says how its pieces look (a ``Renderer``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from .. import wire
+from .handling import describe, log_failure
+from .runtime import Runtime
+
+__all__ = ["Renderer", "failure", "write_stream"]
+
+
+class Renderer(Protocol):
+    """How one API writes a stream of sequences' tokens."""
+
+    def pending(self) -> bytes:
+        """What the sequences made since the last call, ready to send (b"" for nothing yet)."""
+
+    def open(self) -> list[Any]:
+        """The sequences still streaming (after ``pending``): the writer waits on these."""
+
+    def done(self) -> bytes:
+        """The end of an answered stream."""
+
+    def failed(self, kind: str, message: str, error: BaseException) -> bytes:
+        """The end of a stream whose sequence failed mid-way (labserver's error ``kind``)."""
+
+
+def failure(seqs: list[Any]) -> BaseException | None:
+    """The first failure among the sequences (a cancelled one is not a failure: it was let go)."""
+    for seq in seqs:
+        if seq.future.done() and not seq.future.cancelled() and seq.future.exception() is not None:
+            return seq.future.exception()  # type: ignore[no-any-return]
+    return None
+
+
+async def write_stream(rt: Runtime, seqs: list[Any], rid: str, t0: float, render: Renderer) -> AsyncIterator[bytes]:
+    """Every token once (all that are ready in one write), then one ending (see the module docstring)."""
+    answered = False
+    try:
+        while True:
+            piece = render.pending()
+            if piece:
+                yield piece
+            error = failure(seqs)
+            if error is not None:
+                log_failure(rid, error)
+                kind, message, _ = describe(error)
+                rt.statuses[wire.ERROR_TYPES[kind]] += 1  # counted by what it would have been, though it began 200
+                answered = True
+                yield render.failed(kind, message, error)
+                return
+            waiting = render.open()
+            if not waiting:
+                break
+            changes = {f for seq in waiting for f in (seq.next_change(), seq.future)}
+            await asyncio.wait(changes, return_when=asyncio.FIRST_COMPLETED)
+        answered = True
+        rt.answered(time.perf_counter() - t0)
+        yield render.done()
+    finally:
+        for seq in seqs:
+            seq.future.cancel()  # a no-op once answered; a client that left mid-stream frees its place
+        if not answered:
+            rt.statuses[499] += 1  # it began as a 200, but its client left: one outcome, counted once
