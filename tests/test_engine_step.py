@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Any
 
 import pytest
@@ -202,3 +203,54 @@ def test_a_dead_model_thread_answers_everyone() -> None:
 
     out, healthy = asyncio.run(main())
     assert all(isinstance(o, WorkerDied) for o in out) and not healthy
+
+
+def retained(root: Any) -> int:
+    """Items held in every container reachable from ``root`` through labserver's own objects.
+
+    Torch tensors and modules, tokenizers and the event loop's machinery are not followed
+    (their size does not depend on how many requests were served); a list, dict, set or
+    deque that grows with every request or every step shows up here.
+    """
+    seen: set[int] = set()
+    stack, total = [root], 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple, set, frozenset, deque)):
+            total += len(obj)
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            total += len(obj)
+            stack.extend(obj.values())
+        elif type(obj).__module__.startswith(("labserver", "tests")) and hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+    return total
+
+
+@pytest.mark.parametrize("spec", ["synthetic", "gpt2-tiny-random"])
+def test_a_long_run_retains_nothing_per_request_or_per_step(spec: str) -> None:
+    """What an engine and its model hold after 60 requests is what they hold after 240 (the step log
+    is capped at ``history``): nothing is kept per call, per step or per request."""
+    from labserver.models import load_model
+
+    model = SyntheticGen(0, 0) if spec == "synthetic" else load_model(spec, device="cpu")
+
+    async def main() -> list[int]:
+        e = StepEngine(make_strategy("gen-paged", Limits(max_batch_size=8, max_kv_tokens=512)), model,
+                       history=50)  # type: ignore[arg-type]
+        e.start()
+        sizes = []
+        for n in (60, 180):
+            seqs = [submit(e, f"request {k} of {n} words", 4 + k % 9, ignore_eos=True) for k in range(n)]
+            await outcomes(seqs)
+            del seqs
+            sizes.append(retained(e))
+        await e.stop()
+        return sizes
+
+    after_60, after_240 = asyncio.run(main())
+    # (a few items come and go: which step sizes were seen, which sequences the last 50 steps held)
+    assert after_240 - after_60 < 60, (after_60, after_240)  # one item per extra request would be 180

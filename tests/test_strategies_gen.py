@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from labserver.strategies import Limits
+from labserver.strategies import STRATEGIES, Limits
 from labserver.strategies import make_strategy, strategy_names
 from labserver.engine.virtual import GenSimRun, simulate_gen
 
@@ -204,3 +206,37 @@ def test_a_shared_prefix_on_the_virtual_clock_is_prefilled_once() -> None:
     assert [s.cached_tokens for s in cached.seqs] == [0] + [512] * 9
     assert np.median(ttft["c"][1:]) < 0.3 * np.median(ttft["p"][1:])
     assert cached.stats["prefix_hit_rate"] == pytest.approx(9 * 512 / 6000)
+
+
+def docs_rule() -> str:
+    """The code block of docs/generation.md's "Write your own rule": the docs cannot drift from what runs."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "generation.md").read_text()
+    section = text[text.index("### Write your own rule"):]
+    return section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+
+
+def test_the_docs_new_rule_is_one_class_and_runs_on_the_virtual_clock() -> None:
+    saved = dict(STRATEGIES)
+    try:
+        scope: dict[str, object] = {}
+        exec(compile(docs_rule(), "docs/generation.md", "exec"), scope)  # registers it, as a user's module would
+        assert "gen-spf" in strategy_names("generate")
+        spf = make_strategy("gen-spf", Limits(max_batch_size=2))
+    finally:
+        STRATEGIES.clear()
+        STRATEGIES.update(saved)
+    # two long answers hold both places; then one long prompt arrives, followed by four short ones
+    requests = [(0.0, 8, 60), (0.0, 8, 60), (0.1, 400, 10)] + [(0.1 + 0.01 * k, 6, 10) for k in range(1, 5)]
+    costs = {"prefill_ms": 5, "step_ms": 10, "per_token_ms": 0.5}
+    fifo = simulate_gen(make_strategy("gen-continuous", Limits(max_batch_size=2)), requests, **costs)
+    short_first = simulate_gen(spf, requests, **costs)
+
+    def admitted(run: GenSimRun) -> list[int]:  # the late five, by when they were admitted
+        return [s.sid for s in sorted(run.seqs[2:], key=lambda s: s.admitted_s)]
+
+    assert admitted(fifo) == [3, 4, 5, 6, 7]  # first come, first served
+    assert admitted(short_first) == [4, 5, 6, 7, 3]  # the long prompt goes last
+    assert [len(s.tokens) for s in short_first.seqs] == [k for _, _, k in requests]  # everyone answered in full
+    ttft = {name: np.mean([s.first_token_s - s.enqueued_s for s in run.seqs[3:]])
+            for name, run in (("fifo", fifo), ("spf", short_first))}
+    assert ttft["spf"] < 0.8 * ttft["fifo"]  # the short ones no longer wait behind the long prefill

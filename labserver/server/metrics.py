@@ -38,12 +38,12 @@ class _RuntimeCollector:
         yield responses
         if rt.engine is not None:
             for metric in rt.engine.metrics():  # each under the name /stats shows it by
-                family = _family(metric)
+                family = family_of(metric)
                 if family is not None:
                     yield family
 
 
-def _family(m: Metric) -> Any:
+def family_of(m: Metric) -> Any:
     """One engine metric in Prometheus' types (None: nothing to export yet)."""
     name = f"labserver_{m.name}"
     if m.kind == "sizes":
