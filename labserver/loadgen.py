@@ -20,9 +20,11 @@ names the model in every request; left out, the server's ``GET /v1/models`` is a
 
 Entry points: ``await run_load(url, **options)`` in async code and notebooks,
 ``run_load_sync(url, **options)`` anywhere else (also inside a running Jupyter
-kernel); the options are the fields of ``LoadSpec``. Arrival processes and payloads
-live in ``labserver.load.arrivals``, output lengths in ``labserver.load.lengths``, the sending
-loop in ``labserver.load.worker``, the records and their files in ``labserver.load.results``.
+kernel); the options are the fields of ``LoadSpec``. Arrival processes live in
+``labserver.load.arrivals``, payloads in ``labserver.load.payloads``, output lengths in
+``labserver.load.lengths``, the sending loop in ``labserver.load.worker`` (what it is told,
+``Plan``, in ``labserver.load.plan``; its event loop in ``labserver.load.loops``; spawned
+processes in ``labserver.load.processes``), the records and their files in ``labserver.load.results``.
 
 This module talks HTTP only (``labserver.load.clients``) and reads the server's
 timing headers by name (``labserver.wire``); it can load any URL. By default it
@@ -50,11 +52,15 @@ import numpy as np
 import pandas as pd
 
 from .load.apis import APIS, OPENAI_APIS, default_path, is_generative, models_url
-from .load.arrivals import Arrival, PayloadLike, make_arrival, take_payloads
+from .load.arrivals import Arrival, make_arrival
 from .load.clients import CLIENTS, check_target
 from .load.lengths import LengthsLike, make_lengths, take_lengths
+from .load.loops import run_on_fresh_loop
+from .load.payloads import PayloadLike, take_payloads
+from .load.plan import Plan
+from .load.processes import run_in_processes
 from .load.results import PROBE_COLUMNS, RECORD_COLUMNS, TOKEN_COLUMNS, LoadResult, build_records
-from .load.worker import Plan, run_here, run_in_processes, run_on_fresh_loop
+from .load.worker import run_here
 
 logger = logging.getLogger(__name__)
 

@@ -292,7 +292,7 @@ def test_cli_builds_the_load_options() -> None:
         "bench", "--url", "http://127.0.0.1:9", "--api", "openai-chat", "--model", "m", "--rate", "2",
         "--arrival", "gamma", "--burstiness", "0.25", "--prompt-tokens", "64", "--shared-prefix", "512",
         "--new-tokens", "32", "--max-concurrency", "8", "--no-ignore-eos"])
-    opts = cli._load_options(args)
+    opts = cli.load_options(args)
     assert opts["api"] == "openai-chat" and opts["model"] == "m" and opts["arrival"] == "gamma:0.25"
     assert opts["max_in_flight"] == 8 and opts["overflow"] == "wait" and opts["ignore_eos"] is False
     assert opts["payload"].prefix_tokens == 512 and opts["new_tokens"].n == 32

@@ -1,10 +1,11 @@
-"""When requests arrive and what they carry: arrival processes and payload sources.
+"""When requests arrive: the arrival processes.
 
 Everything here is plain numpy and the standard library: no HTTP, no clocks. An
 arrival process turns (duration, count, seed) into a sorted array of send times in
-seconds from the start of a run; a payload source turns (count, seed) into texts.
-``labserver.loadgen`` materialises both before a run starts, so a run is
-reproducible from its seed and can be split over several processes.
+seconds from the start of a run. ``labserver.loadgen`` materialises them before a run
+starts, so a run is reproducible from its seed and can be split over several processes.
+What each request carries is not here but in ``labserver.load.payloads`` (its names
+are re-exported below, where older code imports them from).
 
 Rate-based processes share one mechanism: a piecewise-linear rate λ(t) whose
 cumulative Λ(t) is inverted, at integers for evenly spaced arrivals and at the
@@ -14,30 +15,33 @@ step, a ramp, an on/off square wave and a flat rate are one code path.
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
 
 import numpy as np
+
+# payload sources, re-exported: notebooks, benchmarks and tests import them from here
+from .payloads import WORDS, FileLines, PayloadLike, PayloadSource, WordTexts, iter_payloads, take_payloads
 
 __all__ = [
     "ARRIVALS",
     "Arrival",
     "Constant",
-    "FileLines",
     "Gamma",
     "OnOff",
-    "PayloadSource",
     "Poisson",
     "Ramp",
     "Replay",
     "Steps",
+    "make_arrival",
+    # from .payloads
+    "WORDS",
+    "FileLines",
+    "PayloadLike",
+    "PayloadSource",
     "WordTexts",
     "iter_payloads",
-    "make_arrival",
     "take_payloads",
 ]
 
@@ -311,109 +315,3 @@ def _check_bounds(duration_s: float | None, max_requests: int | None) -> tuple[f
     limit_n = 2**62 if max_requests is None else int(max_requests)
     return limit_s, limit_n
 
-
-# --- payloads ---------------------------------------------------------------
-
-# A small neutral vocabulary: enough variety for tokenizers, no external file.
-WORDS = tuple("""
-the a of to and in is it that for on with as was at by be this from or an are not
-have one all were when we there can more if out so up said what about than into them
-only some time would like other new could very after first also well way because any
-these two how our work even back good day most us model server batch queue request
-token answer question small large fast slow early late quiet bright river mountain city
-garden window paper music light water stone cloud story table morning evening winter
-summer people student teacher number simple careful little great open close always
-""".split())
-
-
-@dataclass(frozen=True)
-class WordTexts:
-    """Texts of varying length from the built-in word list.
-
-    ``dist``: "lognormal" (mean ``mean_words``, spread ``sigma``), "uniform" (between
-    ``min_words`` and ``max_words``) or "fixed" (``mean_words`` each); lengths are
-    clipped to [min_words, max_words].
-    """
-
-    mean_words: float = 20
-    dist: str = "lognormal"
-    sigma: float = 0.6
-    min_words: int = 1
-    max_words: int = 256
-
-    def lengths(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        if self.dist == "lognormal":  # mean of exp(N(mu, s²)) is exp(mu + s²/2)
-            mu = math.log(self.mean_words) - self.sigma**2 / 2
-            raw = rng.lognormal(mu, self.sigma, n)
-        elif self.dist == "uniform":
-            raw = rng.integers(self.min_words, self.max_words + 1, n)
-        elif self.dist == "fixed":
-            raw = np.full(n, self.mean_words)
-        else:
-            raise ValueError(f"dist must be 'lognormal', 'uniform' or 'fixed', got {self.dist!r}")
-        return np.clip(np.rint(raw), self.min_words, self.max_words).astype(int)
-
-    def take(self, n: int, rng: np.random.Generator) -> list[str]:
-        lengths = self.lengths(n, rng)
-        words = rng.integers(0, len(WORDS), int(lengths.sum()))
-        ends = np.cumsum(lengths)
-        return [" ".join(WORDS[w] for w in words[e - k:e]) for k, e in zip(lengths, ends)]
-
-
-@dataclass(frozen=True)
-class FileLines:
-    """The lines of a text file, in order (blank lines skipped), reused when used up."""
-
-    path: str | Path
-
-    def lines(self) -> list[str]:
-        lines = [s for s in Path(self.path).read_text(encoding="utf-8").splitlines() if s.strip()]
-        if not lines:
-            raise ValueError(f"{self.path} has no non-blank lines to send")
-        return lines
-
-
-class PayloadSource(Protocol):
-    """Anything that draws texts from a seeded generator (``WordTexts``, ``labserver.load.prompts``)."""
-
-    def take(self, n: int, rng: np.random.Generator) -> list[str]: ...
-
-
-PayloadLike = str | WordTexts | PayloadSource | FileLines | Path | Iterable[str]
-
-
-def _is_source(payload: object) -> bool:
-    return not isinstance(payload, (str, Path, FileLines)) and callable(getattr(payload, "take", None))
-
-
-def iter_payloads(payload: PayloadLike, seed: int | Sequence[int] = 0) -> Iterator[str]:
-    """An endless stream of texts. A str is one fixed text; finite iterables (lists,
-    file lines, a generator that ends) start again from their beginning."""
-    if isinstance(payload, str):
-        return itertools.repeat(payload)
-    if _is_source(payload):
-        rng = np.random.default_rng(seed)
-        return itertools.chain.from_iterable(payload.take(1024, rng) for _ in itertools.count())
-    if isinstance(payload, Path):
-        payload = FileLines(payload)
-    if isinstance(payload, FileLines):
-        return itertools.cycle(payload.lines())
-    return _cycle_checked(payload)
-
-
-def _cycle_checked(items: Iterable[str]) -> Iterator[str]:
-    seen = False
-    for text in itertools.cycle(items):
-        if not isinstance(text, str):
-            raise TypeError(f"payloads must be str, got {type(text).__name__}")
-        seen = True
-        yield text
-    if not seen:
-        raise ValueError("the payload iterable is empty")
-
-
-def take_payloads(payload: PayloadLike, n: int, seed: int | Sequence[int] = 0) -> list[str]:
-    """The first ``n`` texts of ``iter_payloads(payload, seed)``."""
-    if _is_source(payload):
-        return payload.take(n, np.random.default_rng(seed))
-    return list(itertools.islice(iter_payloads(payload, seed), n))

@@ -1,161 +1,43 @@
-"""How a load plan goes out: the sending loop of one generator, in this process or in
-several spawned ones.
+"""How a load plan goes out: the sending loop of one generator (``Worker``).
 
-``labserver.loadgen`` decides what to send (a ``Plan`` per process: request numbers,
-scheduled times, payloads, or closed-loop users) and turns the rows that come back
-into records. This module only sends on time and writes down what happened, one
-tuple per request (``ROW_FIELDS``), as cheaply as it can: at 1000 requests/s every
-microsecond of bookkeeping is a tenth of a percent of a core. A generation request
-(mode "generate", or an OpenAI completions/chat API) also carries its token arrival
-times in the row, as a list.
+``labserver.loadgen`` decides what to send (a ``Plan`` per process, ``labserver.load.plan``)
+and turns the rows that come back into records. This module only sends on time and writes
+down what happened, one tuple per request (``ROW_FIELDS``), as cheaply as it can: at 1000
+requests/s every microsecond of bookkeeping is a tenth of a percent of a core. A generation
+request (mode "generate", or an OpenAI completions/chat API) also carries its token arrival
+times in the row, as a list. ``run_here`` sends one plan in this process; the event loop it
+runs on is chosen in ``labserver.load.loops``, and several plans from spawned processes are
+``labserver.load.processes``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import math
-import multiprocessing
-import queue
-import selectors
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from .. import wire
 from .apis import is_generative, openai_body
-from .arrivals import iter_payloads
 from .clients import CLIENTS, RequestFailed, StreamClient
 from .lengths import iter_lengths
+from .loops import run_on_fresh_loop, spin_s, timer_late_fraction
 from .openai_sse import OpenAIAnswer
+from .payloads import iter_payloads
+from .plan import HEADER_COLUMNS, PROBE_FIELDS, PROBES_IN_FLIGHT, ROW_FIELDS, Plan
 from .sse import Answer
 
 logger = logging.getLogger(__name__)
 
-# Event-loop timers on epoll are only ms-accurate: asyncio's wake late by up to 1 ms,
-# uvloop's by up to 1 ms either side. On those loops the scheduler sleeps until this much
-# before a send and yields (busy, but still serving responses) for the rest.
-_SPIN_S = {"asyncio": 0.001, "uvloop": 0.002}
-_SELECT_SPIN_S = 0.001  # select() wakes on time when the machine is idle; this covers a busy one
-_SELECT_MAX_RATE = 1000.0  # requests/s per process; above it uvloop's faster I/O wins (measured)
-_SELECT_FD_LIMIT = 1024  # select() cannot watch descriptors numbered past FD_SETSIZE
-_PROBES_IN_FLIGHT = 64  # outstanding probes allowed; later ones are recorded as overflow
-_RESERVED_FDS = 64  # a spawned worker's own descriptors (pipes, the loop's self-pipe, ...)
-_START_MARGIN_S = 0.05  # between "all processes ready" and their common start
+# besides its own two names, the ones that lived here before the plan and the loop had modules
+# of their own (results.py, tests and benchmarks import them from here)
+__all__ = ["PROBE_FIELDS", "ROW_FIELDS", "Plan", "Worker", "run_here", "run_on_fresh_loop", "timer_late_fraction"]
 
-# server header -> record column (loadgen parses them; missing ones stay None here)
-HEADER_COLUMNS = {
-    "queue_ms": wire.HEADER_QUEUE_MS, "compute_ms": wire.HEADER_COMPUTE_MS,
-    "batch_size": wire.HEADER_BATCH_SIZE, "batch_id": wire.HEADER_BATCH_ID,
-    "dispatch": wire.HEADER_DISPATCH, "server_ms": wire.HEADER_SERVER_MS,
-    "request_id": wire.HEADER_REQUEST_ID,
-}
-# what a generation answer adds (None/NaN for other modes); token_s is a list of client-clock
-# times (s from the run's start), one per token event, that loadgen turns into its tokens frame
-GEN_FIELDS = ("first_token_s", "n_tokens", "max_new_tokens", "finish_reason", "token_s")
-ROW_FIELDS = ("i", "process", "scheduled_s", "sent_s", "done_s", "status", "error", "input_chars",
-              *HEADER_COLUMNS, *GEN_FIELDS)
-PROBE_FIELDS = ("t_s", "latency_ms", "status", "error")
 _NO_HEADERS = (None,) * len(HEADER_COLUMNS)
-_NO_GEN = (math.nan, None, None, "", None)
+_NO_GEN = (math.nan, None, None, "", None)  # GEN_FIELDS of a row without a generation answer
 _TIMING_COLUMNS = ("queue_ms", "server_ms")  # taken from a generation answer's "timing" when there
-
-
-def run_on_fresh_loop(make_coro, sockets: int | None = None, rate_per_s: float = 0.0):
-    """Run ``make_coro()`` on a new event loop chosen for sending on time (``loop_factory``)."""
-    with asyncio.Runner(loop_factory=loop_factory(sockets, rate_per_s)) as runner:
-        return runner.run(make_coro())
-
-
-def timer_late_fraction(rate_per_s: float = 100.0, duration_s: float = 1.5) -> float:
-    """How often a bare timer loop (no HTTP; select() and a 1 ms spin, as a generator process
-    waits) wakes more than 1 ms late on this machine right now: the noise no generator beats."""
-
-    async def ticks() -> float:
-        t0, late = time.perf_counter(), 0
-        n = int(rate_per_s * duration_s)
-        for k in range(n):
-            target = t0 + k / rate_per_s
-            if (delay := target - time.perf_counter() - _SELECT_SPIN_S) > 0:
-                await asyncio.sleep(delay)
-            while time.perf_counter() < target:
-                await asyncio.sleep(0)
-            late += time.perf_counter() - target > 1e-3
-        return late / n
-
-    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selectors.SelectSelector())) as runner:
-        return runner.run(ticks())
-
-
-def loop_factory(sockets: int | None = None, rate_per_s: float = 0.0):
-    """The event loop for a generator.
-
-    select() when at most ``sockets`` sockets will be open in a process whose file
-    descriptors we know are few (a spawned worker) and the rate is moderate: its timeout
-    has µs resolution, so the busy-wait before each send can be short (``_spin_s``) and
-    the cores stay with the server (a CPU model wants them all). Otherwise uvloop: faster
-    at I/O, but its timers are ms-coarse, so ``Worker`` busy-waits the last 2 ms before
-    each send, which above ~1000 requests/s is a core's worth of spinning either way.
-    """
-    few_fds = sockets is not None and sockets + _RESERVED_FDS < _SELECT_FD_LIMIT
-    if few_fds and rate_per_s <= _SELECT_MAX_RATE:
-        return lambda: asyncio.SelectorEventLoop(selectors.SelectSelector())
-    try:
-        import uvloop  # absent on Windows
-    except ImportError:
-        return asyncio.new_event_loop
-    return uvloop.new_event_loop
-
-
-def _spin_s(loop: asyncio.AbstractEventLoop, mean_gap_s: float) -> float:
-    if isinstance(getattr(loop, "_selector", None), selectors.SelectSelector):
-        # µs timers: spin only to ride out a late wake-up, for at most a quarter of the time
-        return min(_SELECT_SPIN_S, mean_gap_s / 4)
-    return _SPIN_S.get(type(loop).__module__.split(".")[0], max(_SPIN_S.values()))
-
-
-@dataclass
-class Plan:
-    """What one generator process sends; picklable, so it can travel to a spawned process."""
-
-    worker: int
-    url: str
-    mode: str
-    client: str
-    timeout_s: float
-    max_in_flight: int
-    overflow: str
-    drain_s: float | None
-    index: np.ndarray  # open loop: global request numbers, and their
-    scheduled_s: np.ndarray  # send times, and
-    texts: list[str]  # payloads (closed loop: a pool to cycle, or empty to use payload)
-    users: int = 0  # closed loop from here on
-    think_s: float = 0.0
-    duration_s: float = math.inf
-    max_requests: int | None = None
-    payload: Any = None
-    seed: int = 0
-    probe_url: str | None = None
-    probe_interval_s: float | None = None
-    new_tokens: np.ndarray | None = None  # mode "generate", open loop: max_new_tokens per request
-    lengths: Any = None  # mode "generate", closed loop: a Lengths to draw from as it goes
-    stream: bool = True  # generation: ask for server-sent events
-    ignore_eos: bool = True  # generation: ask for exactly max_new_tokens
-    api: str = "labserver"  # or "openai-completions", "openai-chat", "openai-embeddings" (labserver.load.apis)
-    model: str = ""  # OpenAI APIs: the model name every request names
-
-    def mean_gap_s(self) -> float:
-        s = self.scheduled_s
-        return float(s[-1] - s[0]) / (len(s) - 1) if len(s) > 1 else math.inf
-
-    def rate_per_s(self) -> float:
-        return 1.0 / self.mean_gap_s() if self.mean_gap_s() > 0 else math.inf
 
 
 class _Counter:
@@ -201,7 +83,7 @@ class Worker:
 
     async def run(self, t0: float) -> dict[str, Any]:
         self.t0 = t0
-        self.spin_s = _spin_s(asyncio.get_running_loop(), self.plan.mean_gap_s())
+        self.spin_s = spin_s(asyncio.get_running_loop(), self.plan.mean_gap_s())
         client = self._client(self.plan.url, "POST")
         probing = None
         if self.plan.probe_url:
@@ -335,7 +217,7 @@ class Worker:
             for k in range(2**62):  # fired on time whatever the answers do, like the load itself
                 t_s = k * self.plan.probe_interval_s
                 await self._until(t_s, spin=False)
-                if len(tasks) >= _PROBES_IN_FLIGHT:
+                if len(tasks) >= PROBES_IN_FLIGHT:
                     self.probes.append((t_s, math.nan, 0, "client_overflow"))
                     continue
                 task = asyncio.create_task(one(t_s))
@@ -358,58 +240,3 @@ async def run_here(plan: Plan, on_count: Callable[[int], None]) -> dict[str, Any
     finally:
         job.cancel()  # a no-op once done; stops the run if our caller was cancelled
     return job.result()
-
-
-# --- process mode ---------------------------------------------------------------------
-
-def _child_main(plan: Plan, counter, inbox, start_at, barrier) -> None:
-    """Entry point of a spawned generator process."""
-    try:
-        worker = Worker(plan, counter)
-        gc.freeze()  # the imports (pandas, numpy) out of full collections: no pauses of tens of ms mid-run
-        # All processes meet here once set up (the spawn and imports take a while); one of
-        # them picks a common start just ahead, in wall-clock time, which all processes share.
-        if barrier.wait(timeout=120) == 0:
-            start_at.value = time.time() + _START_MARGIN_S
-        barrier.wait(timeout=10)
-        t0 = time.perf_counter() + (start_at.value - time.time())
-        sockets = plan.max_in_flight + (_PROBES_IN_FLIGHT if plan.probe_url else 0)
-        out = run_on_fresh_loop(lambda: worker.run(t0), sockets=sockets, rate_per_s=plan.rate_per_s())
-        inbox.put(("done", plan.worker, out))
-    except BaseException:
-        inbox.put(("error", plan.worker, traceback.format_exc()))
-
-
-async def run_in_processes(plans: list[Plan], on_count: Callable[[int], None]) -> list[dict[str, Any]]:
-    ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads or CUDA
-    inbox, barrier, start_at = ctx.Queue(), ctx.Barrier(len(plans)), ctx.RawValue("d", 0.0)
-    counters = [ctx.RawValue("q", 0) for _ in plans]
-    procs = [ctx.Process(target=_child_main, args=(plan, c, inbox, start_at, barrier), daemon=True,
-                         name=f"labserver-loadgen-{plan.worker}") for plan, c in zip(plans, counters)]
-    for proc in procs:
-        proc.start()
-    outs: dict[int, Any] = {}
-    try:
-        while len(outs) < len(procs):
-            try:
-                kind, w, payload = await asyncio.to_thread(inbox.get, True, 0.25)
-            except queue.Empty:
-                on_count(sum(c.value for c in counters))
-                gone = [f"{p.name} (exit code {p.exitcode})" for plan, p in zip(plans, procs)
-                        if plan.worker not in outs and p.exitcode is not None]
-                if gone and inbox.empty():
-                    raise RuntimeError(
-                        f"load generator process(es) {', '.join(gone)} exited without a result. A spawned "
-                        "process re-imports your __main__: a script needs an `if __name__ == '__main__':` "
-                        "guard, and code fed on stdin cannot be re-imported; there, use process=False")
-                continue
-            if kind == "error":
-                raise RuntimeError(f"load generator process {w} failed:\n{payload}")
-            outs[w] = payload
-    finally:
-        for proc in procs:
-            if len(outs) < len(procs):
-                proc.terminate()  # only after an error or a cancellation: ours to stop
-            proc.join(timeout=10)
-    on_count(sum(c.value for c in counters))
-    return [outs[w] for w in sorted(outs)]

@@ -1,0 +1,174 @@
+"""The argument groups several commands share, and what each turns into.
+
+``add_model_args`` (which model, where), ``add_strategy_args`` (the limits a strategy
+runs under, turned into ``Limits`` by ``limits_from``) and ``add_load_args`` (what load
+to send and where, turned into ``run_load`` options by ``load_options``). The commands
+themselves, and the flags only one of them takes, are in the command modules beside
+this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..config import DEFAULT_STRATEGY
+from ..strategies import Limits, strategy_names
+
+__all__ = ["add_load_args", "add_model_args", "add_strategy_args", "limits_from", "load_options",
+           "wants_generation"]
+
+_LIMITS = Limits()
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="minilm (embedded default), bert-base-random, synthetic:BASE+PER_ITEM, echo, "
+                        "or a Hugging Face id / local folder; for gen-* strategies: gpt2-random (their "
+                        "default), gpt2-tiny-random, synthetic-gen:PREFILL+STEP")
+    p.add_argument("--task", default=None, help="pipeline task for a hub id or folder")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="(default: auto)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="auto: float16 on GPU, float32 on CPU")
+
+
+def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) -> None:
+    if with_strategy:
+        p.add_argument("--strategy", default=DEFAULT_STRATEGY, choices=strategy_names(),
+                       help="(default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=_LIMITS.max_batch_size,
+                   help="items per model call; 0 = no cap (default: %(default)s)")
+    p.add_argument("--max-wait-ms", type=float, default=_LIMITS.max_wait_ms, help="(default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="queued items before new requests get 503 (default: unbounded)")
+    p.add_argument("--timeout-ms", type=float, default=None,
+                   help="per-request deadline; 504 after it (default: none)")
+    p.add_argument("--no-idle-dispatch", action="store_true",
+                   help="deadline/thread: wait for the deadline even when nothing else is queued")
+    p.add_argument("--target-ms", type=float, default=_LIMITS.target_ms,
+                   help="slo: the latency target; a batch may spend half of it waiting (default: %(default)s)")
+    p.add_argument("--max-kv-tokens", type=int, default=None,
+                   help="gen-*: KV-cache tokens the running sequences may hold (default: max-batch x the model's "
+                        "context)")
+    p.add_argument("--kv-block-tokens", type=int, default=_LIMITS.kv_block_tokens,
+                   help="gen-*: tokens per KV block, the unit memory is taken in (default: %(default)s)")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="gen-*: prompts that begin alike share their KV blocks")
+    p.add_argument("--prefill", default=_LIMITS.prefill, choices=["eager", "budget", "chunked"],
+                   help="gen-continuous, gen-paged: prefill all that fit at every step, at most "
+                        "--max-prefill-tokens, or in pieces inside each step (--max-step-tokens)")
+    p.add_argument("--max-prefill-tokens", type=int, default=_LIMITS.max_prefill_tokens,
+                   help="with --prefill budget (default: %(default)s)")
+    p.add_argument("--max-step-tokens", type=int, default=_LIMITS.max_step_tokens,
+                   help="with --prefill chunked: tokens per step, decodes first (default: %(default)s)")
+    p.add_argument("--eos-prob", type=float, default=_LIMITS.eos_prob,
+                   help="gen-*: a stand-in for a trained model's EOS: each token ends its answer with this "
+                        "probability (random weights never choose EOS; default: %(default)s)")
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    return Limits(
+        max_batch_size=args.max_batch or None,
+        max_wait_ms=args.max_wait_ms,
+        max_queue=args.max_queue,
+        timeout_ms=args.timeout_ms,
+        idle_dispatch=not args.no_idle_dispatch,
+        target_ms=args.target_ms,
+        max_kv_tokens=args.max_kv_tokens,
+        kv_block_tokens=args.kv_block_tokens,
+        prefix_cache=args.prefix_cache,
+        prefill=args.prefill,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_step_tokens=args.max_step_tokens,
+        eos_prob=args.eos_prob,
+    )
+
+
+def add_load_args(p: argparse.ArgumentParser) -> None:
+    target = p.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="load this server (loopback only unless --allow-remote)")
+    target.add_argument("--strategy", choices=strategy_names(), help="start this strategy here and load it")
+    add_model_args(p)
+    add_strategy_args(p, with_strategy=False)
+    p.add_argument("--api", default="labserver", choices=["labserver", "openai-completions", "openai-chat",
+                                                          "openai-embeddings"],
+                   help="labserver's own routes (--mode), or the OpenAI API any LLM server speaks (vLLM, TGI, "
+                        "SGLang, Ollama, llama.cpp, transformers serve, labserver's /v1); with --url, --model "
+                        "names the model to send (default: the server's first in GET /v1/models)")
+    p.add_argument("--arrival", default="poisson", choices=["poisson", "constant", "gamma"],
+                   help="(default: %(default)s)")
+    p.add_argument("--burstiness", type=float, default=0.5,
+                   help="--arrival gamma: the gamma shape (1 = Poisson, < 1 burstier) (default: %(default)s)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="open loop: at most this many requests outstanding; later sends wait for one to end "
+                        "(latency still counts from the schedule)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of sending (default: %(default)s)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds left out of the summary (default: %(default)s)")
+    p.add_argument("--mode", default=None, choices=["text", "json", "generate"],
+                   help="POST / text, /predict JSON, or /generate (default: text; generate for gen-* strategies)")
+    p.add_argument("--new-tokens", default="uniform:16:256",
+                   help="generate: tokens each request asks for: N, uniform:LO:HI, geometric:MEAN[:LO:HI] or "
+                        "replay:FILE (default: %(default)s)")
+    p.add_argument("--no-stream", action="store_true", help="generate: one JSON answer instead of a token stream")
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="generate: let EOS end an answer early (default: ask for exactly --new-tokens)")
+    p.add_argument("--prompt-tokens", default=None,
+                   help="prompts of this many tokens: N, uniform:LO:HI, geometric:MEAN[:LO:HI] or replay:FILE "
+                        "(words of the built-in list, one token each in the bundled vocabulary)")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="every prompt starts with the same prefix of this many tokens (then --prompt-tokens own)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a local tokenizer folder: --prompt-tokens counted exactly by it")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="generate: goodput needs TTFT within this")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="generate: goodput needs TPOT within this")
+    p.add_argument("--payload-file", help="send the lines of this file (default: seeded 8-24 word sentences)")
+    p.add_argument("--processes", type=int, default=1, help="load generator processes (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ms", type=float, default=None, help="goodput: answers within this count")
+    p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url (mind whose it is)")
+    p.add_argument("--out", help="write the result: x.csv (records + x.csv.json with the summary), x.json "
+                                 "(summary, meta, warnings), x.parquet, or a folder")
+
+
+def wants_generation(args: argparse.Namespace) -> bool:
+    """Whether the load asks for tokens (mode generate, or an OpenAI completions/chat API)."""
+    from ..load.apis import is_generative
+
+    return is_generative(args.api, args.mode)
+
+
+def load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``run_load`` options of ``add_load_args``'s flags (``--mode`` filled in when not given)."""
+    from ..load.lengths import parse_lengths
+
+    if args.mode is None:
+        args.mode = "generate" if (args.strategy or "").startswith("gen-") else "text"
+    opts: dict[str, Any] = dict(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
+                                mode=args.mode, api=args.api, processes=args.processes,
+                                allow_remote=args.allow_remote)
+    if args.url and args.api != "labserver":
+        opts["model"] = args.model  # the name to send (None: ask the server's /v1/models)
+    if args.concurrency:
+        opts["users"] = args.concurrency
+    else:
+        arrival = f"gamma:{args.burstiness}" if args.arrival == "gamma" else args.arrival
+        opts.update(arrival=arrival, rate_per_s=args.rate)
+        if args.max_concurrency:  # open loop, at most this many outstanding: later sends wait (and count as late)
+            opts.update(max_in_flight=args.max_concurrency, overflow="wait")
+    if args.payload_file:
+        from ..load.payloads import FileLines
+
+        opts["payload"] = FileLines(args.payload_file)
+    elif args.prompt_tokens or args.shared_prefix:
+        from ..load.prompts import TokenPrompts
+
+        opts["payload"] = TokenPrompts(parse_lengths(args.prompt_tokens or "32"), prefix_tokens=args.shared_prefix,
+                                       tokenizer=args.tokenizer)
+    else:
+        from ..load.payloads import WordTexts
+
+        opts["payload"] = WordTexts(min_words=8, max_words=24)
+    if wants_generation(args):
+        opts.update(new_tokens=parse_lengths(args.new_tokens), stream=not args.no_stream, timeout_s=600.0,
+                    ignore_eos=not args.no_ignore_eos)
+    return opts

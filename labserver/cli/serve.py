@@ -1,0 +1,57 @@
+"""``labserver serve``: one strategy serving one model until Ctrl-C.
+
+The flags only a server takes (where it listens, what it accepts) are here; the model
+and the strategy's limits are the shared groups of ``args``. Running the server is
+``labserver.launch``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..config import ServerConfig, default_model
+from ..strategies import describe, strategy_names
+from .args import add_model_args, add_strategy_args, limits_from
+
+__all__ = ["add_serve", "cmd_serve"]
+
+_CONFIG = ServerConfig()
+
+
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    listing = "\n".join(f"  {name:15} {describe(name)}" for name in strategy_names())
+    p = sub.add_parser("serve", help="serve a model with one strategy until Ctrl-C",
+                       epilog=f"strategies:\n{listing}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    add_strategy_args(p)
+    p.add_argument("--host", default=_CONFIG.host, help="(default: %(default)s; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=_CONFIG.port, help="(default: %(default)s; 0 = any free)")
+    p.add_argument("--max-body-bytes", type=int, default=_CONFIG.max_body_bytes)
+    p.add_argument("--max-inputs", type=int, default=_CONFIG.max_inputs)
+    p.add_argument("--max-chars", type=int, default=_CONFIG.max_chars)
+    p.add_argument("--max-new-tokens", type=int, default=_CONFIG.max_new_tokens,
+                   help="/generate: the most tokens one request may ask for (default: %(default)s)")
+    p.add_argument("--debug", action="store_true", help="tracebacks in error responses (never when shared)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..launch import PortInUse, run_forever
+
+    config = ServerConfig(
+        strategy=args.strategy, model=args.model or default_model(args.strategy), device=args.device,
+        dtype=args.dtype, task=args.task,
+        limits=limits_from(args), host=args.host, port=args.port, debug=args.debug,
+        max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_chars=args.max_chars,
+        max_new_tokens=args.max_new_tokens, log_level=args.log_level,
+    )
+    print(f"labserver: {config.strategy} serving {config.model} on http://{config.host}:{config.port} "
+          f"(Ctrl-C to stop)", file=sys.stderr)
+    try:
+        run_forever(config)
+    except PortInUse as e:
+        print(f"labserver: {e}", file=sys.stderr)
+        return 2
+    return 0
