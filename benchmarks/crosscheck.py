@@ -2,7 +2,9 @@
 
     python benchmarks/crosscheck.py --out results/crosscheck/cpu.json          # ~30 minutes on 2 cores
     python benchmarks/crosscheck.py --model gpt2-tiny-random --requests 60 --skip-requests 10 --rate 4 \\
-        --pairs 1 --door-seconds 4 --door-users 8 --out /tmp/cc.json              # smoke: ~3 minutes
+        --pairs 1 --door-seconds 4 --door-users 8 --out /tmp/cc.json              # small: ~3 minutes
+    python benchmarks/crosscheck.py --model gpt2-tiny-random --pairs 1 --door-seconds 2 --door-users 4 \\
+        --skip guidellm,peer --smoke --out /tmp/cc.json                          # smoke: the /v1 door only
 
 Three parts, each printed as rows with a goal and PASS/FAIL (INFO where there is none):
 
@@ -42,6 +44,12 @@ Three parts, each printed as rows with a goal and PASS/FAIL (INFO where there is
    ``--pairs`` pairs; goal >= 0.95.
 
 Wrap it in the machine's CPU lock when others share it: ``flock -x /tmp/labserver-cpu.lock ...``.
+
+``--smoke`` judges a run by what it measured, not by the goals: every row of each part run
+there with a finite value (a part that could not run fails it); both tools counting the
+same requests, all answered; at the door, every request answered with the tokens it asked,
+and the tokens the client counted equal to those the server's ``/stats`` says it made. It
+exits 0 when those hold, else 1 with each failed check on stderr.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from labserver.analysis import ok
 from labserver.experiments.peers import (
     PeerUnavailable,
     free_port,
@@ -75,8 +84,18 @@ from labserver.load.arrivals import Poisson
 from labserver.load.prompts import TokenPrompts
 from labserver.loadgen import LoadResult, run_load_sync
 
+from genperf import Checks  # a smoke run's checks (benchmarks/ is the script's folder: on the path)
+
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks" / ".peers"
+PARTS = {"guidellm": ["1 labserver / guidellm TTFT p50", "1 labserver / guidellm TTFT p99",
+                      "1 labserver / guidellm mean ITL", "1 labserver / guidellm output tokens/s",
+                      "1 labserver's mean ITL / the server's own", "1 guidellm's mean ITL / the server's own",
+                      "1 the server's own mean ITL", "1 labserver / guidellm TPOT", "1 labserver TTFT p99"],
+         "peer": ["2 labserver / transformers serve output tokens/s", "2 labserver / transformers serve TTFT p99"],
+         "door": ["3 /v1/completions / /generate tokens/s"]}  # each part's rows (target prefixes)
+
+
 def row(name: str, value: float, goal: str, passed: bool | None, detail: str) -> dict[str, Any]:
     result = "INFO" if passed is None else "PASS" if passed else "FAIL"
     return {"target": name, "value": value, "goal": goal, "result": result, "detail": detail}
@@ -108,6 +127,11 @@ def ours(result: LoadResult, keep: range | None = None) -> dict[str, float]:
             "itl_mean_ms": float(itl.mean()), "tpot_guidellm_ms": float(np.mean(tpot_g)),
             "output_tps": float(n.sum() / (ok["done_s"].max() - ok["sent_s"].min())),
             "output_tokens": int(n.sum()), "late_p99_ms": float(result.meta.get("late_ms_p99", math.nan))}
+
+
+def tokens_made(url: str) -> int:
+    """The tokens the server says it generated so far (labserver's /stats)."""
+    return int(httpx.get(url + "/stats", timeout=30).json()["tokens_generated"])
 
 
 def last_step(url: str) -> int:
@@ -297,10 +321,16 @@ def door_cost(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, Any]
             pair = {}
             for api in (("openai-completions", "labserver") if k % 2 == 0 else ("labserver", "openai-completions")):
                 print(f"door pair {k + 1}/{args.pairs}: {api} ...", file=sys.stderr)
+                before = tokens_made(url)
                 r = run_ours(url, args.model, None, args, api=api, mode="generate", arrival=None, rate_per_s=None,
                              users=args.door_users, duration_s=args.door_seconds, max_requests=None)
-                s = r.summary()
-                pair[api] = {"tps": s["token_throughput_tps"], "n_ok": s["n_ok"], "ttft_p50_ms": s["ttft_p50_ms"]}
+                s, rec = r.summary(), r.records  # the counts: warm-up included, as the server's
+                answers = rec[ok(rec)]
+                pair[api] = {"tps": s["token_throughput_tps"], "n_ok": s["n_ok"], "ttft_p50_ms": s["ttft_p50_ms"],
+                             "sent": int(rec["sent_s"].notna().sum()), "answered": len(answers),
+                             "tokens_client": int(rec["n_tokens"].fillna(0).sum()),
+                             "tokens_server": tokens_made(url) - before,
+                             "short_answers": int((answers["n_tokens"].fillna(0) < args.output_tokens).sum())}
             pairs.append(pair)
     ratios = [p["openai-completions"]["tps"] / p["labserver"]["tps"] for p in pairs]
     r = statistics.median(ratios)
@@ -309,6 +339,41 @@ def door_cost(args: argparse.Namespace, work: Path) -> tuple[list[dict[str, Any]
     return [row("3 /v1/completions / /generate tokens/s at saturation", r, ">= 0.95", r >= 0.95,
                 f"{v1:.4g} vs {native:.4g} tokens/s, {args.door_users} users closed loop, {args.door_seconds:g} s each; "
                 f"per pair {', '.join(f'{x:.3f}' for x in ratios)}")], pairs
+
+
+def smoke_checks(numbers: dict[str, Any], skip: set[str], args: argparse.Namespace) -> Checks:
+    check = Checks()
+    ran = {part: numbers[part] for part in PARTS if part not in skip}
+    check.rows(numbers["rows"], [prefix for part in ran for prefix in PARTS[part]])
+    for part, raw in list(ran.items()):
+        why = raw.get("error") if isinstance(raw, dict) else None
+        if not check(why is None, f"{part}: could not run here: {why}"):
+            del ran[part]
+    for i, pair in enumerate(ran.get("guidellm", []), 1):
+        for tool in ("labserver", "guidellm"):
+            check.positive(pair[tool]["n"], f"guidellm pair {i}: {tool}'s answered requests")
+            check(pair[tool]["errors"] == 0, f"guidellm pair {i}: {tool} counted {pair[tool]['errors']} errors")
+            check.positive(pair[tool]["server_itl_mean_ms"], f"guidellm pair {i}: the server's mean ITL, {tool}'s run")
+        check(pair["labserver"]["n"] == pair["guidellm"]["n"], f"guidellm pair {i}: labserver counted "
+              f"{pair['labserver']['n']} requests, guidellm {pair['guidellm']['n']}: not the same requests")
+    if "peer" in ran:
+        for name in ("labserver", "transformers serve"):
+            check.positive(ran["peer"][name]["n"], f"peer: {name}'s answered requests")
+        errors = ran["peer"]["labserver"]["errors"]
+        check(errors == 0, f"peer: labserver had {errors} errors")
+    if "door" in ran:
+        check(len(ran["door"]) == args.pairs, f"door: {len(ran['door'])} pairs of {args.pairs}")
+    for i, pair in enumerate(ran.get("door", []), 1):
+        for api, m in pair.items():
+            where = f"door pair {i}, {api}"
+            check.positive(m["n_ok"], f"{where}: answered requests")
+            check.positive(m["tps"], f"{where}: tokens/s")
+            check(m["sent"] == m["answered"], f"{where}: {m['sent']} requests sent, {m['answered']} answered")
+            check(m["short_answers"] == 0, f"{where}: {m['short_answers']} answers shorter than the "
+                  f"{args.output_tokens} tokens asked under ignore_eos")
+            check(m["tokens_client"] == m["tokens_server"], f"{where}: the client counted {m['tokens_client']} "
+                  f"tokens, the server's /stats {m['tokens_server']}")
+    return check
 
 
 def main() -> int:
@@ -326,6 +391,8 @@ def main() -> int:
     ap.add_argument("--door-seconds", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out: guidellm, peer, door")
+    ap.add_argument("--smoke", action="store_true",
+                    help="exit on checks of what was measured (rows, counts, no errors), not on the goals")
     ap.add_argument("--out", default="results/crosscheck/cpu.json")
     args = ap.parse_args()
     logging.getLogger("labserver.loadgen").setLevel(logging.ERROR)
@@ -359,6 +426,8 @@ def main() -> int:
     out.write_text(json.dumps(numbers, indent=1, default=float))
     out.with_suffix(".txt").write_text(f"$ {numbers['command']}\n{numbers['machine']['when']}\n\n{table}\n")
     print(f"wrote {out} and {out.with_suffix('.txt')}", file=sys.stderr)
+    if args.smoke:
+        return smoke_checks(numbers, skip, args).verdict()
     return 0 if all(r["result"] != "FAIL" for r in rows) else 1
 
 

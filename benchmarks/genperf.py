@@ -2,11 +2,12 @@
 transformers' own continuous batching (gen-hf-cb) and offline generation.
 
     python benchmarks/genperf.py --out results/genperf/cpu.json     # gpt2-random: ~30 min a round on 2 cores
-    python benchmarks/genperf.py --model gpt2-tiny-random --duration 2 --warmup 0.5 --max-batch 4   # smoke
+    python benchmarks/genperf.py --model gpt2-tiny-random --duration 2 --warmup 0.5 --max-batch 4 \\
+        --tokens 4:32 --rounds 1 --smoke                             # smoke: ~1 min
 
 Workload, identical for every strategy (one seed: the same arrival times, prompts and
 output lengths): prompts ``WordTexts(min_words=8, max_words=24, dist="uniform")``, output lengths
-``UniformLength(16, 256)`` with ``ignore_eos``, streamed, Poisson arrivals (open loop) or
+``UniformLength(16, 256)`` (``--tokens``) with ``ignore_eos``, streamed, Poisson arrivals (open loop) or
 2 x max_batch users (closed loop). Every strategy runs at most ``--max-batch`` sequences at once.
 
 How the numbers are taken, and why:
@@ -55,6 +56,12 @@ Static's capacity is measured once, before round 1 (it is also static's saturate
 there), so every round offers the same rate. Servers run one at a time on one loaded model
 (they share its KV cache) and are warmed with a few short requests first. Absolute numbers
 move with the machine's load; compare ratios.
+
+``--smoke`` judges a run by what it measured, not by the targets (a smoke run is too short,
+and the machine too shared, for a speed ratio to mean anything): every row present with a
+finite value, every run answered without errors, each run's tokens counted alike by the
+client (records and token events) and by the server's ``/stats``, every answer as long as
+it asked (``ignore_eos``). It exits 0 when those hold, else 1 with each failed check on stderr.
 """
 
 from __future__ import annotations
@@ -80,7 +87,7 @@ from labserver.load.lengths import UniformLength, take_lengths
 from labserver.loadgen import LoadResult, run_load_sync
 
 PROMPTS = WordTexts(min_words=8, max_words=24, dist="uniform")  # as labserver compare --task generate
-LENGTHS = UniformLength(16, 256)
+LENGTHS = UniformLength(16, 256)  # replaced by --tokens in main()
 STATIC, CONT, HF = "gen-static", "gen-continuous", "gen-hf-cb"
 
 
@@ -128,7 +135,9 @@ def measure(h: labserver.ServerHandle, args: argparse.Namespace, **how: Any) -> 
     decode = [r for r in steps if r["kind"] == "decode"]
     prefill = [r for r in steps if r["kind"] == "prefill"]
     useful = after["tokens_generated"] - before["tokens_generated"]
-    idle = after["idle_tokens"] - before["idle_tokens"]
+    idle = after.get("idle_tokens", 0) - before.get("idle_tokens", 0)  # gen-hf-cb's engine counts no padding rows
+    records = result.records  # warm-up included, as the server's counters
+    answers = records[analysis.ok(records)]
 
     def ms(rows: list[dict[str, Any]]) -> float:
         return statistics.median((r["end_s"] - r["start_s"]) * 1000 for r in rows) if rows else math.nan
@@ -144,7 +153,16 @@ def measure(h: labserver.ServerHandle, args: argparse.Namespace, **how: Any) -> 
         "mean_decode_batch": statistics.mean(len(r["seqs"]) for r in decode) if decode else math.nan,
         "idle_share": idle / (useful + idle) if useful + idle else math.nan,  # whole run: rows computed as padding
         "late_fraction": float(result.meta.get("late_fraction", math.nan)), "warnings": result.warnings,
+        **counts(records, answers, result, useful),
     }
+
+
+def counts(records: Any, answers: Any, result: LoadResult, served_tokens: int) -> dict[str, int]:
+    """What a run sent and got back, warm-up included, beside the tokens the server says it made."""
+    short = answers["n_tokens"].fillna(0) < answers["max_new_tokens"].fillna(0)
+    return {"sent": int(records["sent_s"].notna().sum()), "answered": len(answers),
+            "tokens_client": int(records["n_tokens"].fillna(0).sum()), "token_events": len(result.tokens),
+            "tokens_server": int(served_tokens), "short_answers": int(short.sum())}
 
 
 def server(name: str, model: Any, args: argparse.Namespace) -> labserver.ServerHandle:
@@ -255,6 +273,85 @@ def row(name: str, value: float, goal: str, passed: bool | None, detail: str) ->
     return {"target": name, "value": value, "goal": goal, "result": result, "detail": detail}
 
 
+def per(a: float, b: float) -> float:
+    """a / b, NaN where b is 0 (a run that measured nothing: its row FAILs, a smoke check names it)."""
+    return a / b if b else math.nan
+
+
+class Checks:
+    """A smoke run's verdict: that it measured what it reports (rows, finite values, counts that
+    agree), never how fast. perf.py, kvperf.py and crosscheck.py use it too."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+        self.count = 0
+
+    def __call__(self, ok: bool, what: str) -> bool:
+        """One check; ``what`` says what went wrong when it fails."""
+        self.count += 1
+        if not ok:
+            self.failed.append(what)
+        return ok
+
+    def positive(self, value: Any, what: str) -> bool:
+        """``value`` is a finite number above zero."""
+        good = isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+        return self(good, f"{what} is {value!r}, not a finite number > 0")
+
+    def rows(self, rows: list[dict[str, Any]], prefixes: list[str]) -> None:
+        """A row for every target, each with a known result and (unless SKIP) a finite value."""
+        for prefix in prefixes:
+            self(any(r["target"].startswith(prefix) for r in rows), f"no row for the target {prefix!r}")
+        for r in rows:
+            self(r["result"] in ("PASS", "FAIL", "INFO", "SKIP"), f"row {r['target']!r}: result {r['result']!r}")
+            if r["result"] != "SKIP":
+                value = r["value"]
+                self(isinstance(value, (int, float)) and math.isfinite(value),
+                     f"row {r['target']!r}: value {value!r} is not a finite number")
+
+    def verdict(self) -> int:
+        """The exit code, with each failed check on stderr."""
+        for what in self.failed:
+            print(f"smoke check failed: {what}", file=sys.stderr)
+        print(f"smoke: {self.count - len(self.failed)} of {self.count} checks of what was measured passed "
+              "(no speed targets in a smoke run)", file=sys.stderr)
+        return 1 if self.failed else 0
+
+
+def check_run(check: Checks, name: str, m: dict[str, Any] | None, full_length: bool = True) -> None:
+    """One served run (``measure``'s dict): answers, no errors, the same tokens counted on both sides."""
+    if not check(m is not None, f"{name}: no such run"):
+        return
+    check.positive(m["requests"], f"{name}: requests measured")
+    check(m["errors"] == 0, f"{name}: {m['errors']} of {m['requests']} measured requests failed")
+    check(m["sent"] == m["answered"], f"{name}: {m['sent']} requests sent, {m['answered']} answered")
+    check.positive(m["tps"], f"{name}: tokens/s")
+    check(m["tokens_client"] == m["token_events"] == m["tokens_server"],
+          f"{name}: tokens in the client's records {m['tokens_client']}, its token events {m['token_events']}, "
+          f"the server's /stats tokens_generated {m['tokens_server']}: they must agree")
+    if full_length:
+        check(m["short_answers"] == 0, f"{name}: {m['short_answers']} answers shorter than asked under ignore_eos")
+
+
+def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
+    check = Checks()
+    check.rows(numbers["rows"], ["1 continuous/static tokens/s at", "1 continuous/static max tokens/s",
+                                 "2 continuous/static p99 TTFT", "3 continuous/hf-cb tokens/s at",
+                                 "3 continuous/hf-cb tokens/s max", "4 continuous saturated / offline model.generate",
+                                 "4 continuous saturated / our engine offline"])
+    check.positive(numbers["static_capacity"]["tps"], "static's capacity (tokens/s)")
+    check(len(numbers["rounds"]) == args.rounds, f"{len(numbers['rounds'])} rounds recorded of {args.rounds}")
+    for i, r in enumerate(numbers["rounds"], 1):
+        for name in (STATIC, CONT, HF):
+            for where in ("load", "sat"):
+                check_run(check, f"round {i} {name}@{where}", r.get(f"{name}@{where}"))
+        idle = r[f"{STATIC}@sat"]["idle_share"]
+        check(0 <= idle <= 1, f"round {i}: static's idle share {idle!r} is not a share")
+        check.positive(r["offline_generate"]["useful_tps"], f"round {i}: offline model.generate useful tokens/s")
+        check.positive(r["offline_engine"]["tps"], f"round {i}: our engine offline tokens/s")
+    return check
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gpt2-random")
@@ -264,9 +361,15 @@ def main() -> int:
     ap.add_argument("--warmup", type=float, default=90.0, help="seconds before the window (static's queue to fill)")
     ap.add_argument("--load", type=float, default=1.3, help="open-loop offered load, x static's capacity")
     ap.add_argument("--rounds", type=int, default=1, help="rounds, order reversed every other; ratios are medians")
+    ap.add_argument("--tokens", default="16:256", help="asked output lengths, uniform in LO:HI")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true",
+                    help="exit on checks of what was measured (rows, counts, no errors), not on the targets")
     ap.add_argument("--out", default="results/genperf/cpu.json", help="write every number as JSON here")
     args = ap.parse_args()
+    global LENGTHS
+    lo, _, hi = args.tokens.partition(":")
+    LENGTHS = UniformLength(int(lo), int(hi or lo))
     # static's backlog at --load drains for minutes: the client must outwait it, the server has no deadline
     args.timeout = 3 * (args.warmup + args.duration) + 300
     logging.getLogger("labserver.loadgen").setLevel(logging.ERROR)  # its warnings: printed by measure()
@@ -311,7 +414,7 @@ def main() -> int:
 
     def ratio(a: str, b: str, field: str, b_field: str | None = None) -> Any:
         """Per round: r[a][field] / r[b][b_field or field]."""
-        return lambda r: r[a][field] / r[b][b_field or field]
+        return lambda r: per(r[a][field], r[b][b_field or field])
 
     rows, ceiling = [], padding_ceiling(args.max_batch)
     f = ratio(f"{CONT}@load", f"{STATIC}@load", "tps")
@@ -365,6 +468,8 @@ def main() -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(numbers, indent=1, default=str))
+    if args.smoke:
+        return smoke_checks(numbers, args).verdict()
     return 0 if all(r["result"] != "FAIL" for r in rows) else 1
 
 

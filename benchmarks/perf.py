@@ -3,6 +3,7 @@
     python benchmarks/perf.py                 # labserver's own ratios (~5 min on 2 cores)
     python benchmarks/perf.py --peers         # + LitServe and Ray Serve baselines (~3 min more)
     python benchmarks/perf.py --device cuda --model bert-base-random   # the GPU target
+    python benchmarks/perf.py --model synthetic:20+1 --duration 1 --rounds 1 --slo --smoke   # smoke
 
 Absolute numbers move with the machine's load; the ratios are what this prints, each
 against its target, PASS or FAIL, and writes as JSON (``--out``). labserver's own
@@ -14,6 +15,12 @@ payload is one 16-token sentence per request, as in the issue's measurements.
 
 Peers (LitServe, Ray Serve) run from a separate virtual environment
 (benchmarks/.peers, see benchmarks/README.md): they are baselines, never dependencies.
+
+``--smoke`` judges a run by what it measured, not by the targets: a row for every target
+with a finite value (SKIP aside), every closed-loop run answered in full and without errors,
+the client's answers equal to the items the server's batches computed, every idle pair, SLO
+probe and generator run there and finite. It exits 0 when those hold, else 1 with each
+failed check on stderr.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ from labserver.experiments.runs import machine_info
 from labserver.loadgen import run_load_sync
 from labserver.strategies import BatchCost
 
+from genperf import Checks  # a smoke run's checks (benchmarks/ is the script's folder: on the path)
+
 HERE = Path(__file__).resolve().parent
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank today."  # 16 tokens
 PAYLOAD = SENTENCE  # replaced for bert-base-random in main()
@@ -47,11 +56,13 @@ PEERS_PY = HERE / ".peers" / "bin" / "python"
 
 
 def closed(url: str, users: int, duration_s: float, mode: str = "text", warmup_s: float = 2.0) -> dict[str, float]:
+    """A closed-loop run's figures; ``sent`` and ``answered`` count the warm-up too (as the server's batches do)."""
     result = run_load_sync(url, users=users, duration_s=duration_s + warmup_s, warmup_s=warmup_s, payload=PAYLOAD,
                            mode=mode, progress=False, timeout_s=120)
     s = analysis.summarize(result.records)
     return {"throughput_rps": float(s["throughput_rps"]), "p50_ms": float(s["p50_ms"]),
-            "p99_ms": float(s["p99_ms"]), "errors": int(s["count"] - s["n_ok"])}
+            "p99_ms": float(s["p99_ms"]), "errors": int(s["count"] - s["n_ok"]),
+            "sent": int(result.records["sent_s"].notna().sum()), "answered": int(analysis.ok(result.records).sum())}
 
 
 def text_for(model_spec: str) -> str:
@@ -71,12 +82,14 @@ def offline_rate(model: Any, batch: int, seconds: float) -> float:
 
 
 def batch_figures(batches: list[dict[str, Any]], offline64: float) -> dict[str, float]:
-    """Where a served run's time went: model busy share, and full batches' slowdown against offline."""
+    """Where a served run's time went: model busy share, and full batches' slowdown against offline;
+    ``served``, the items its batches computed."""
     full = [b["compute_ms"] for b in batches if b["size"] == 64]
     span_s = batches[-1]["dispatched_s"] + batches[-1]["compute_ms"] / 1000 - batches[0]["dispatched_s"]
     busy = sum(b["compute_ms"] for b in batches) / 1000 / span_s
     inflation = statistics.mean(full) / (64 / offline64 * 1000) if full else math.nan
-    return {"busy": busy, "inflation": inflation, "mean_batch": statistics.mean(b["size"] for b in batches)}
+    return {"busy": busy, "inflation": inflation, "mean_batch": statistics.mean(b["size"] for b in batches),
+            "served": sum(b["size"] for b in batches)}
 
 
 def start(cfg: dict[str, Any], model: Any, device: str) -> labserver.ServerHandle:
@@ -327,6 +340,63 @@ def row(name: str, value: float | None, target: str, passed: bool | None, detail
     return {"target": name, "value": value, "goal": target, "result": result, "detail": detail}
 
 
+def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
+    check = Checks()
+    targets = ["1 efficiency", "6 GPU", "2 idle", "3 load: best/guide p50", "3 load: best/guide p99",
+               "5 generator: late", "5 generator: labserver / wrk"]
+    if args.slo:
+        targets += [f"3 SLO: best/guide capacity, p99 <= {slo:g}" for slo in SLOS_MS]
+        targets += [f"3 SLO: slo (target_ms {slo:g})/guide" for slo in SLOS_MS] + ["3 SLO virtual"]
+    if args.peers:
+        targets += ["4 peers: best / litserve", "4 peers: best / ray"]
+    check.rows(numbers["rows"], targets)
+    check(len(numbers["rounds"]) == args.rounds, f"{len(numbers['rounds'])} rounds recorded of {args.rounds}")
+    for i, r in enumerate(numbers["rounds"], 1):
+        check.positive(r["offline_bs64"], f"round {i}: offline items/s")
+        for name, plan in PLAN.items():
+            for users in plan:
+                key = f"round {i} {name}@{users}"
+                m = r.get(f"{name}@{users}")
+                if not check(m is not None, f"{key}: no such run"):
+                    continue
+                check(m["errors"] == 0, f"{key}: {m['errors']} requests failed in a closed loop")
+                check(m["sent"] == m["answered"], f"{key}: {m['sent']} requests sent, {m['answered']} answered")
+                check(m["answered"] == m["served"], f"{key}: the client counted {m['answered']} answers, the "
+                      f"server's batches computed {m['served']} items")
+                for field in ("throughput_rps", "p50_ms", "p99_ms", "mean_batch"):
+                    check.positive(m[field], f"{key}: {field}")
+                check(0 < m["busy"] <= 1.01, f"{key}: model busy share {m['busy']!r}")
+    pairs = numbers["idle_pairs"]
+    check(len(pairs) == 3 * args.rounds, f"{len(pairs)} idle pairs of {3 * args.rounds}")
+    for i, pair in enumerate(pairs, 1):
+        for name in ("best", "naive", "guide"):
+            check.positive(pair.get(name), f"idle pair {i}: {name} p50 ms")
+    for i, r in enumerate(numbers.get("slo_capacity", []), 1):
+        for who in ("best", "guide", "slo"):
+            for slo in SLOS_MS:
+                cap = r.get(f"{who}@{slo:g}") or {}
+                check.positive(cap.get("rate"), f"SLO round {i}: {who}'s capacity at p99 <= {slo:g} ms")
+                check(bool(cap.get("probes")), f"SLO round {i}: {who} at p99 <= {slo:g} ms ran no probe")
+    for key, caps in numbers.get("virtual_capacity", {}).items():
+        if key != "cost_ms":
+            for name, rate in caps.items():
+                check.positive(rate, f"virtual capacity {key}: {name}")
+    g = numbers["generator"]
+    check.positive(g["measured"], "generator run: requests in its measured window")
+    check.positive(g["answered"], "generator run: answers in its measured window")
+    check.positive(g["achieved"], "generator run: achieved send rate")
+    check(math.isfinite(g["late_fraction"]), f"generator run: late fraction {g['late_fraction']!r}")
+    for ours, theirs in numbers["wrk"] or []:
+        check.positive(ours, "labserver beside wrk: throughput")
+        check.positive(theirs, "wrk: throughput")
+    for kind in ("litserve", "ray"):
+        for i, pr in enumerate((numbers.get(kind) or {}).get("rounds", []), 1):
+            for who in ("labserver", kind):
+                check(pr[who]["errors"] == 0, f"peers {kind} round {i}: {who} had {pr[who]['errors']} errors")
+                check.positive(pr[who]["throughput_rps"], f"peers {kind} round {i}: {who} throughput")
+    return check
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="minilm")
@@ -337,6 +407,8 @@ def main() -> int:
     ap.add_argument("--slo", action="store_true",
                     help="also sweep capacity under p99 SLOs (100 and 250 ms): best, guide and slo (~12 min more)")
     ap.add_argument("--out", default=None, help="write every number as JSON here")
+    ap.add_argument("--smoke", action="store_true",
+                    help="exit on checks of what was measured (rows, counts, no errors), not on the targets")
     args = ap.parse_args()
     d, dev, model = args.duration, args.device, args.model
     global PAYLOAD
@@ -454,11 +526,13 @@ def main() -> int:
     target_rate = 2 * capacity
     print(f"generator ceiling at {target_rate:.0f}/s against echo ...", file=sys.stderr)
     with labserver.serve("thread", "echo", max_batch_size=64) as h:
-        res = run_load_sync(h.url, arrival="poisson", rate_per_s=target_rate, duration_s=d, warmup_s=1,
+        res = run_load_sync(h.url, arrival="poisson", rate_per_s=target_rate, duration_s=d + 1, warmup_s=1,
                             payload=SENTENCE, progress=False)
     late = float(res.meta.get("late_fraction", float("nan")))
     achieved = float(res.meta.get("achieved_send_rate_per_s", float("nan")))
-    numbers["generator"] = {"rate": target_rate, "achieved": achieved, "late_fraction": late}
+    numbers["generator"] = {"rate": target_rate, "achieved": achieved, "late_fraction": late,
+                            "measured": int(res.meta.get("n_measured", 0)),
+                            "answered": int(analysis.ok(res.measured).sum())}
     rows.append(row("5 generator: late sends at 2x best capacity", late, "< 1 %", late < 0.01,
                     f"{achieved:.0f}/s sent of {target_rate:.0f}/s scheduled"))
     def wrk_rounds(url: str) -> list[tuple[float, float]] | None:
@@ -492,6 +566,8 @@ def main() -> int:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(numbers, indent=1, default=str))
+    if args.smoke:
+        return smoke_checks(numbers, args).verdict()
     return 0 if all(r["result"] != "FAIL" for r in rows) else 1
 
 

@@ -1,4 +1,9 @@
-"""benchmarks/perf.py and genperf.py run end to end (tiny, on small models: smoke tests, not measurements)."""
+"""The benchmark scripts run end to end (tiny, on small models: smoke tests, not measurements).
+
+Each runs with ``--smoke``: its exit code then says whether it measured what it reports
+(every row, finite values, counts that agree, no errors), never whether a speed target was
+met, so a smoke run that measured nothing sensible fails here.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +20,10 @@ def test_perf_script_prints_every_target(tmp_path: Path) -> None:
     out = tmp_path / "perf.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "perf.py"), "--model", "synthetic:20+1", "--duration", "1",
-         "--rounds", "1", "--slo", "--out", str(out)],
+         "--rounds", "1", "--slo", "--smoke", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )
-    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: some target failed, which a smoke run may
+    assert run.returncode == 0, run.stderr[-3000:]
     numbers = json.loads(out.read_text())
     targets = [r["target"] for r in numbers["rows"]]
     for prefix in ("1 efficiency", "6 GPU", "2 idle", "3 load: best/guide p50", "3 load: best/guide p99",
@@ -44,10 +49,10 @@ def test_genperf_script_prints_every_target(tmp_path: Path) -> None:
     out = tmp_path / "genperf.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "genperf.py"), "--model", "gpt2-tiny-random", "--duration", "2",
-         "--warmup", "0.5", "--max-batch", "4", "--rounds", "1", "--out", str(out)],
+         "--warmup", "0.5", "--max-batch", "4", "--tokens", "4:32", "--rounds", "1", "--smoke", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )
-    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: some target failed, which a smoke run may
+    assert run.returncode == 0, run.stderr[-3000:]
     numbers = json.loads(out.read_text())
     targets = [r["target"] for r in numbers["rows"]]
     for prefix in ("1 continuous/static tokens/s at", "1 continuous/static max tokens/s",
@@ -73,10 +78,10 @@ def test_crosscheck_script_runs_its_own_part(tmp_path: Path) -> None:
     out = tmp_path / "crosscheck.json"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "crosscheck.py"), "--model", "gpt2-tiny-random", "--pairs", "1",
-         "--door-seconds", "2", "--door-users", "4", "--skip", "guidellm,peer", "--out", str(out)],
+         "--door-seconds", "2", "--door-users", "4", "--skip", "guidellm,peer", "--smoke", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )
-    assert run.returncode in (0, 1), run.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]
     numbers = json.loads(out.read_text())
     (door,) = numbers["rows"]
     assert door["target"].startswith("3 /v1/completions / /generate") and door["result"] in ("PASS", "FAIL")
@@ -88,9 +93,9 @@ def test_crosscheck_script_runs_its_own_part(tmp_path: Path) -> None:
 
 def test_kvperf_quick_prints_every_target(tmp_path: Path) -> None:
     out = tmp_path / "kvperf.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kvperf.py"), "--quick", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert run.returncode in (0, 1), run.stderr[-3000:]  # 1: some target failed, which a smoke run may
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kvperf.py"), "--quick", "--smoke", "--out",
+                          str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
     numbers = json.loads(out.read_text())
     targets = [r["target"] for r in numbers["rows"]]
     for prefix in ("1 paged/reserved tokens/s", "1 mean sequences per decode step", "2 prefix cache: p50 TTFT",
@@ -101,7 +106,8 @@ def test_kvperf_quick_prints_every_target(tmp_path: Path) -> None:
         assert isinstance(r["value"], float) and math.isfinite(r["value"]), r
         assert r["result"] in ("PASS", "FAIL", "INFO") and r["target"] in run.stdout
     memory = numbers["memory"]
-    assert memory["gen-paged"]["preemptions"] >= 0 and memory["gen-continuous"]["preemptions"] == 0
+    # --quick's pool is too small for its load: paging must preempt (reservation never does)
+    assert memory["gen-paged"]["preemptions"] > 0 and memory["gen-continuous"]["preemptions"] == 0
     assert all(m["errors"] == 0 and m["tps"] > 0 for m in memory.values())
     assert all(m["mean_tokens"] < 0.8 * numbers["args"]["ask"] for m in memory.values())  # EOS ended them early
     assert numbers["prefix"]["cached@sat"]["hit_rate"] > 0.5 and numbers["prefix"]["uncached@sat"]["hit_rate"] == 0

@@ -3,15 +3,64 @@
 from __future__ import annotations
 
 import json
+import math
+import struct
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+from matplotlib import image
 
 from labserver import cli
 from labserver.experiments import compare as experiment
+from labserver.load.results import RECORD_COLUMNS
 
-FILES = ["records.csv", "summary.csv", "summary.json", "lag.csv", "machine.json", "overview.png",
-         "latency_cdf.png", "latency_vs_throughput.png", "batch_sizes.png", "batch_gantt.png", "loop_lag.png"]
+PNGS = ["overview", "latency_cdf", "latency_vs_throughput", "batch_sizes", "batch_gantt", "loop_lag"]
+GEN_PNGS = ["overview", "ttft_cdf", "tpot_cdf", "token_throughput", "ttft_vs_rate", "kv_tokens"]
+
+
+def assert_png(path: Path) -> None:
+    """A real picture: PNG signature, a header with a plausible size that matplotlib reads back, not one flat colour."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path.name
+    width, height = struct.unpack(">II", data[16:24])
+    assert 200 <= width <= 5000 and 200 <= height <= 5000, (path.name, width, height)
+    pixels = image.imread(path)
+    assert pixels.shape[:2] == (height, width), path.name
+    assert np.ptp(pixels[..., :3]) > 0, f"{path.name} is blank"
+
+
+def is_answer(records: pd.DataFrame) -> pd.Series:
+    """Rows of records.csv read back that were answered: status 200 and an empty error cell."""
+    return (records["status"] == 200) & records["error"].isna()
+
+
+def assert_results_agree(out: Path, labels: list[str], rates: list[float]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """records.csv, summary.csv, summary.json, lag.csv and machine.json of one results folder agree:
+    one summary row per (label, rate), each counting that run's records; every run's loop sampled."""
+    records = pd.read_csv(out / "records.csv")
+    assert set(records.columns) == {*RECORD_COLUMNS, "label", "rate"}
+    doc = json.loads((out / "summary.json").read_text())
+    summary = pd.DataFrame(doc["summary"])
+    assert list(zip(summary["label"], summary["rate"])) == [(label, rate) for label in labels for rate in rates]
+    counts = ["label", "rate", "count", "n_ok", "n_warmup"]
+    assert pd.read_csv(out / "summary.csv")[counts].to_dict("records") == summary[counts].to_dict("records")
+    assert len(records) == (summary["count"] + summary["n_warmup"]).sum()
+    answered = is_answer(records)
+    for row in summary.itertuples():
+        run = records[(records["label"] == row.label) & (records["rate"] == row.rate)]
+        measured = run[~run["warmup"]]
+        assert (row.count, row.n_warmup) == (len(measured), int(run["warmup"].sum())), row.label
+        assert row.n_ok == int(answered[measured.index].sum()) > 0, row.label
+        assert math.isclose(row.throughput_rps, row.n_ok / row.window_s, rel_tol=1e-6), row.label
+        assert 0 < row.p50_ms <= row.p99_ms <= row.max_ms, row.label
+    lag = pd.read_csv(out / "lag.csv")
+    assert list(lag.columns) == ["label", "rate", "t_s", "lag_ms"]
+    sampled = lag.groupby(["label", "rate"]).size()
+    assert all(sampled.get((label, rate), 0) > 0 for label in labels for rate in rates), sampled
+    assert lag["t_s"].notna().all() and (lag["lag_ms"] >= 0).all()
+    assert json.loads((out / "machine.json").read_text()) == doc["machine"]
+    return records, summary
 
 
 def test_compare_writes_results_and_plot_redraws_them(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -21,8 +70,9 @@ def test_compare_writes_results_and_plot_redraws_them(tmp_path: Path, capsys) ->
     assert rc == 0
     table = capsys.readouterr().out
     assert "naive" in table and "thread" in table and "p99_ms" in table
-    for name in FILES:
-        assert (out / name).stat().st_size > 0, name
+    assert_results_agree(out, ["naive", "thread"], [40.0])
+    for name in PNGS:
+        assert_png(out / f"{name}.png")
     doc = json.loads((out / "summary.json").read_text())
     assert [r["label"] for r in doc["summary"]] == ["naive", "thread"]
     assert all(r["n_ok"] > 0 for r in doc["summary"])
@@ -35,7 +85,8 @@ def test_compare_writes_results_and_plot_redraws_them(tmp_path: Path, capsys) ->
     for png in out.glob("*.png"):
         png.unlink()
     assert cli.main(["plot", str(out)]) == 0
-    assert (out / "overview.png").stat().st_size > 0
+    for name in PNGS:
+        assert_png(out / f"{name}.png")
 
 
 def test_saved_records_read_back_numeric_even_with_failures(tmp_path: Path) -> None:
@@ -113,18 +164,50 @@ def test_generation_compare_writes_results_and_plot_redraws_them(tmp_path: Path,
     assert rc == 0
     table = capsys.readouterr().out
     assert "gen-static" in table and "ttft_p99_ms" in table and "idle_share" in table
-    for name in ("records.csv", "tokens.csv", "steps.csv", "summary.json", "overview.png", "steps_gen-static.png",
-                 "ttft_cdf.png", "kv_tokens.png"):
-        assert (out / name).stat().st_size > 0, name
+    labels = ["gen-static", "gen-continuous"]
+    records, summary = assert_results_agree(out, labels, [10.0])
+    pngs = GEN_PNGS + [f"steps_{label}" for label in labels]
+    for name in pngs:
+        assert_png(out / f"{name}.png")
     doc = json.loads((out / "summary.json").read_text())
-    assert doc["task"] == "generate" and [r["label"] for r in doc["summary"]] == ["gen-static", "gen-continuous"]
+    assert doc["task"] == "generate" and [r["label"] for r in doc["summary"]] == labels
     assert all(r["token_throughput_tps"] > 0 for r in doc["summary"])
-    steps = pd.read_csv(out / "steps.csv")
-    assert set(steps["kind"]) == {"prefill", "decode"} and set(steps["label"]) == {"gen-static", "gen-continuous"}
+
+    # every answer as long as it asked (the load generator sends ignore_eos), in --quick's 8..64
+    answers = records[is_answer(records)]
+    assert (answers["n_tokens"] == answers["max_new_tokens"]).all() and answers["n_tokens"].between(8, 64).all()
+    for row in summary.itertuples():
+        run = answers[(answers["label"] == row.label) & ~answers["warmup"]]
+        assert row.output_tokens == run["n_tokens"].sum(), row.label
+        assert math.isclose(row.token_throughput_tps, row.output_tokens / row.window_s, rel_tol=1e-6), row.label
+
+    # tokens.csv: one row per token each request received, numbered from 0
+    tokens = pd.read_csv(out / "tokens.csv")
+    assert list(tokens.columns) == ["label", "rate", "i", "k", "t_s"] and len(tokens) == records["n_tokens"].sum()
+    per_request = tokens.groupby(["label", "rate", "i"])["k"].agg(["size", "min", "max"])
+    received = records.set_index(["label", "rate", "i"])["n_tokens"]
+    assert (per_request["size"] == received.reindex(per_request.index)).all()
+    assert (per_request["min"] == 0).all() and (per_request["max"] == per_request["size"] - 1).all()
+
+    # steps.csv: the server's steps, every answered request among their sequences; the idle share from them
+    steps = pd.read_csv(out / "steps.csv", keep_default_na=False)
+    assert {"label", "rate", "step", "kind", "start_s", "end_s", "seqs", "idle"} <= set(steps.columns)
+    assert set(steps["kind"]) == {"prefill", "decode"} and set(steps["label"]) == set(labels)
+    assert (steps["end_s"] >= steps["start_s"]).all()
+    for row in summary.itertuples():
+        run = steps[steps["label"] == row.label]
+        sids = {int(sid) for seqs in run["seqs"] for sid in str(seqs).split()}
+        assert len(sids) >= (answers["label"] == row.label).sum(), row.label
+        decode = run[run["kind"] == "decode"]
+        idle = sum(len(str(x).split()) for x in decode["idle"]) / sum(len(str(x).split()) for x in decode["seqs"])
+        assert math.isclose(row.idle_share, idle, rel_tol=1e-6, abs_tol=1e-9), row.label
+    assert summary.set_index("label").loc["gen-continuous", "idle_share"] == 0  # it never holds a finished one
+
     for png in out.glob("*.png"):
         png.unlink()
     assert cli.main(["plot", str(out)]) == 0
-    assert (out / "overview.png").stat().st_size > 0 and (out / "steps_gen-continuous.png").exists()
+    for name in pngs:
+        assert_png(out / f"{name}.png")
 
 
 def test_compare_shows_overload_as_503s_not_as_unsent_requests() -> None:
