@@ -93,7 +93,7 @@ def measure(h: labserver.ServerHandle, args: argparse.Namespace, warmup_s: float
     shift = time.time() - time.perf_counter() - result.meta["t0_unix_s"]  # server clock -> the run's clock
     steps = [r for r in h.steps() if r["step"] > seen and a_s <= r["start_s"] + shift <= b_s]
     decode = [r for r in steps if r["kind"] == "decode"]
-    prompt, cached = (after["prefix_cache"][k] - before["prefix_cache"][k] for k in ("prompt_tokens", "cached_tokens"))
+    prompt, cached = (after[k] - before[k] for k in ("prompt_tokens", "cached_tokens"))
     records = result.records
     answers = records[analysis.ok(records)]
     served = after["tokens_generated"] - before["tokens_generated"]

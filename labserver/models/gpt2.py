@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +37,41 @@ from .sampling import choose
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TINY", "GPT2Gen", "gpt2_random"]
+__all__ = ["TINY", "Costs", "GPT2Gen", "gpt2_random"]
 
 TINY = {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 512}  # ~1 ms a step: for tests
+
+@dataclass
+class Costs:
+    """Where a model's calls spend their time, summed over calls while ``GPT2Gen.costs`` is set.
+
+    Wall-clock seconds on the thread that calls the model (on a CPU, torch runs each op
+    before it returns, so a timer around it measures it; on a GPU it would not).
+    """
+
+    attention_s: float = 0.0  # PagedKV.attend: K/V written to their slots, gathered back, attended over
+    matmul_s: float = 0.0  # the linear layers, with their layer norms and GELU
+    total_s: float = 0.0  # whole calls: the above, embeddings, logits, planning, choosing tokens
+    tokens: int = 0  # tokens the calls chose (one per sequence that sampled)
+    calls: int = 0
+    decode_s: float = 0.0  # of total_s, in calls of one token per sequence
+    decode_tokens: int = 0
+
+    def add_call(self, seconds: float, tokens: int, decode: bool) -> None:
+        self.total_s += seconds
+        self.tokens += tokens
+        self.calls += 1
+        if decode:
+            self.decode_s += seconds
+            self.decode_tokens += tokens
+
+    def per_token_ms(self) -> dict[str, float]:
+        """Milliseconds per chosen token: attention, matmuls, the rest, and in all."""
+        n = max(self.tokens, 1)
+        rest = self.total_s - self.attention_s - self.matmul_s
+        return {"attention": 1000 * self.attention_s / n, "matmul": 1000 * self.matmul_s / n,
+                "other": 1000 * rest / n, "total": 1000 * self.total_s / n}
+
 
 def _layer_norm(x: torch.Tensor, ln: torch.nn.LayerNorm) -> torch.Tensor:
     return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
@@ -70,6 +104,7 @@ class GPT2Gen:
         self._live: set[int] = set()  # sequences prefilled and not released
         weight = hf_model.lm_head.weight
         self.kv = PagedKV(config.n_layer, config.n_head, config.n_embd // config.n_head, weight.device, weight.dtype)
+        self.costs: Costs | None = None  # set a Costs to time every call's parts (a benchmark's breakdown)
 
     # -- text <-> tokens ------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:
@@ -102,12 +137,20 @@ class GPT2Gen:
         heads = self.hf_model.config.n_head
         x = gpt.wte(ids) + gpt.wpe(positions)  # [tokens, width]
         t, width = x.shape
+        costs = self.costs
         for i, block in enumerate(gpt.h):
+            t0 = time.perf_counter() if costs else 0.0
             qkv = _conv1d(_layer_norm(x, block.ln_1), block.attn.c_attn)
             q, k, v = (part.view(t, heads, width // heads) for part in qkv.split(width, dim=-1))
-            x = x + _conv1d(self.kv.attend(i, q, k, v, plan).reshape(t, width), block.attn.c_proj)
+            t1 = time.perf_counter() if costs else 0.0
+            attended = self.kv.attend(i, q, k, v, plan).reshape(t, width)
+            t2 = time.perf_counter() if costs else 0.0
+            x = x + _conv1d(attended, block.attn.c_proj)
             h = F.gelu(_conv1d(_layer_norm(x, block.ln_2), block.mlp.c_fc), approximate="tanh")  # "gelu_new"
             x = x + _conv1d(h, block.mlp.c_proj)
+            if costs:
+                costs.attention_s += t2 - t1
+                costs.matmul_s += t1 - t0 + time.perf_counter() - t2
         return _layer_norm(x, gpt.ln_f)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -135,9 +178,12 @@ class GPT2Gen:
         return self._logits(hidden.index_select(0, last))
 
     def _choose(self, chunks: list[Chunk]) -> list[int | None]:
+        start = time.perf_counter()
         picked = [c for c in chunks if c.sample]
         tokens = iter(choose(self.logits(chunks), [c.end for c in picked], [c.sampling for c in picked], self.eos_id))
         self._live.update(c.sid for c in chunks)
+        if self.costs:
+            self.costs.add_call(time.perf_counter() - start, len(picked), decode=all(len(c.tokens) == 1 for c in chunks))
         return [next(tokens) if c.sample else None for c in chunks]
 
     def prefill(self, chunks: list[Chunk]) -> list[int | None]:
