@@ -56,6 +56,7 @@ class Costs:
     calls: int = 0
     decode_s: float = 0.0  # of total_s, in calls of one token per sequence
     decode_tokens: int = 0
+    decode_calls: int = 0
 
     def add_call(self, seconds: float, tokens: int, decode: bool) -> None:
         self.total_s += seconds
@@ -64,6 +65,7 @@ class Costs:
         if decode:
             self.decode_s += seconds
             self.decode_tokens += tokens
+            self.decode_calls += 1
 
     def per_token_ms(self) -> dict[str, float]:
         """Milliseconds per chosen token: attention, matmuls, the rest, and in all."""

@@ -1,0 +1,191 @@
+"""Served generation against the same engine offline, in alternating rounds, with a per-token cost breakdown.
+
+    python benchmarks/servedperf.py --out results/servedperf/cpu.json     # gpt2-random, 3 rounds: ~8 min on 2 cores
+    python benchmarks/servedperf.py --model gpt2-tiny-random --rounds 1 --warmup 2 --duration 4 --smoke \\
+        --out /tmp/servedperf.json                                         # smoke: ~1 min
+
+The question: how much of the model's speed does serving keep? One model is loaded once
+and measured two ways, in alternating order (offline first in odd rounds, served first in
+even ones), ``--rounds`` times:
+
+- **offline**: ``genperf.offline_engine`` (the reference, unchanged: our model's prefill and
+  decode called directly in a loop, ``--max-batch`` sequences always running, an endless
+  supply of ``genperf.workload``), for ``--duration`` seconds: tokens/s.
+- **served**: ``gen-continuous`` with ``--max-batch``, 2 x max_batch closed-loop users
+  streaming from ``/generate`` (``genperf``'s workload: prompts of 8-24 words, answers of
+  16..256 tokens with ``ignore_eos``); tokens/s counted in ``--duration`` seconds after
+  ``--warmup`` (``genperf.measure``'s window).
+
+During each, ``GPT2Gen.costs`` times every model call's parts: attention (``PagedKV.attend``:
+K/V written to their slots, gathered, attended over), the matmuls (with their layer norms
+and GELU) and the rest (embeddings, logits, planning, choosing tokens), per generated token.
+A mean decode call of max_batch sequences is set beside transformers' own GPT-2 with its dense
+cache (``DynamicCache``): the median of 30 decode steps of max_batch sequences at the served
+mix's mean context length, the reference for what a step should cost.
+
+Targets: served / offline tokens/s >= 0.95 (median of the rounds, spread printed); the served
+decode call of max_batch <= 0.8x the dense-cache step. ``--smoke`` judges what was measured
+(rows present and finite, the served runs answered without errors, their tokens counted alike
+by client and server, the breakdowns' parts summing to no more than the calls), never a speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import genperf  # (benchmarks/ is the script's folder: on the path)
+from genperf import Checks, check_run, measure, offline_engine, per, row, server, workload
+
+from labserver.experiments.runs import machine_info
+from labserver.models import load_model
+from labserver.models.gpt2 import Costs
+
+CONT = "gen-continuous"
+
+
+def costs_of(costs: Costs) -> dict[str, Any]:
+    """A run's breakdown: ms per token by part, and the mean decode call."""
+    return {**{f"{k}_ms_per_token": v for k, v in costs.per_token_ms().items()},
+            "decode_call_ms": 1000 * per(costs.decode_s, costs.decode_calls),
+            "decode_rows": per(costs.decode_tokens, costs.decode_calls), "calls": costs.calls,
+            "tokens": costs.tokens, "parts_s": costs.attention_s + costs.matmul_s, "total_s": costs.total_s}
+
+
+def offline(gen: Any, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict[str, Any]:
+    gen.costs = Costs()
+    try:
+        result = offline_engine(gen, work, args.max_batch, args.duration)
+        return {**result, **costs_of(gen.costs)}
+    finally:
+        gen.costs = None
+
+
+def served(gen: Any, args: argparse.Namespace) -> dict[str, Any]:
+    with server(CONT, gen, args) as h:
+        gen.costs = Costs()
+        try:
+            m = measure(h, args, users=2 * args.max_batch)
+            context = [s["kv_tokens"] / len(s["seqs"]) for s in h.steps() if s["kind"] == "decode" and s["seqs"]]
+            return {**m, **costs_of(gen.costs), "mean_context": statistics.mean(context) if context else float("nan")}
+        finally:
+            gen.costs = None
+
+
+def dense_step_ms(gen: Any, batch: int, context: int, steps: int = 30) -> float:
+    """transformers' GPT-2 with its dense cache: median ms of one decode step of ``batch`` sequences at ``context``."""
+    import torch
+
+    model, dev = gen.hf_model, gen.hf_model.device
+    ids = torch.randint(1000, 20000, (batch, context), generator=torch.Generator().manual_seed(0)).to(dev)
+    times = []
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            times.append((time.perf_counter() - t0) * 1000)
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return statistics.median(times)
+
+
+def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
+    check = Checks()
+    check.rows(numbers["rows"], ["1 served/offline tokens/s", "2 served decode call", "3 attention ms per token",
+                                 "3 matmul ms per token", "3 other ms per token"])
+    check(len(numbers["rounds"]) == args.rounds, f"{len(numbers['rounds'])} rounds recorded of {args.rounds}")
+    for i, r in enumerate(numbers["rounds"], 1):
+        check_run(check, f"round {i} served", r["served"])
+        check.positive(r["offline"]["tps"], f"round {i}: offline tokens/s")
+        for where in ("served", "offline"):
+            m = r[where]
+            check.positive(m["tokens"], f"round {i} {where}: tokens the timed calls chose")
+            check(m["parts_s"] <= m["total_s"] * 1.001, f"round {i} {where}: attention + matmuls ({m['parts_s']:.3f} s) "
+                  f"exceed the calls' own time ({m['total_s']:.3f} s)")
+            check(abs(m["decode_rows"] - args.max_batch) < 0.5 * args.max_batch,
+                  f"round {i} {where}: decode calls held {m['decode_rows']:.1f} sequences, not about {args.max_batch}")
+        check(r["served"]["tokens"] >= r["served"]["tokens_server"] * 0.5,
+              f"round {i}: the model chose {r['served']['tokens']} tokens while timed, the server sent "
+              f"{r['served']['tokens_server']}")
+    check.positive(numbers["dense"]["step_ms"], "transformers' dense decode step (ms)")
+    return check
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gpt2-random")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; ratios are their median")
+    ap.add_argument("--warmup", type=float, default=15.0, help="served: seconds before the window")
+    ap.add_argument("--duration", type=float, default=50.0, help="seconds measured, served and offline")
+    ap.add_argument("--tokens", default="16:256", help="asked output lengths, uniform in LO:HI")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="exit on checks of what was measured, not on the targets")
+    ap.add_argument("--out", default="results/servedperf/cpu.json", help="every number as JSON here (and a .txt)")
+    args = ap.parse_args()
+    lo, _, hi = args.tokens.partition(":")
+    genperf.LENGTHS = genperf.UniformLength(int(lo), int(hi or lo))
+    args.timeout = 3 * (args.warmup + args.duration) + 300
+    logging.getLogger("labserver.loadgen").setLevel(logging.ERROR)
+    started = time.perf_counter()
+    numbers: dict[str, Any] = {"machine": machine_info(args.device), "args": vars(args)}
+
+    gen = load_model(args.model, device=args.device, kind="generate")
+    work = workload(gen, 512, args.seed)
+    rounds = []
+    for i in range(args.rounds):
+        r: dict[str, Any] = {}
+        for where in (("offline", "served") if i % 2 == 0 else ("served", "offline")):
+            print(f"round {i + 1}/{args.rounds}: {where} ...", file=sys.stderr)
+            r[where] = offline(gen, work, args) if where == "offline" else served(gen, args)
+        r["ratio"] = per(r["served"]["tps"], r["offline"]["tps"])
+        print(f"  served {r['served']['tps']:.1f} vs offline {r['offline']['tps']:.1f} tokens/s: {r['ratio']:.3f}",
+              file=sys.stderr)
+        rounds.append(r)
+    numbers["rounds"] = rounds
+    context = round(statistics.median(r["served"]["mean_context"] for r in rounds))
+    numbers["dense"] = {"context": context, "step_ms": dense_step_ms(gen, args.max_batch, context)}
+
+    def med(where: str, key: str) -> float:
+        return statistics.median(r[where][key] for r in rounds)
+
+    ratios = sorted(r["ratio"] for r in rounds)
+    tps = (med("served", "tps"), med("offline", "tps"))
+    rows = [row("1 served/offline tokens/s", statistics.median(ratios), ">= 0.95", statistics.median(ratios) >= 0.95,
+                f"{tps[0]:.1f} vs {tps[1]:.1f} tokens/s (medians of {args.rounds}); rounds "
+                + ", ".join(f"{x:.3f}" for x in ratios)),
+            row(f"2 served decode call of {args.max_batch} / transformers' dense-cache step",
+                per(med("served", "decode_call_ms"), numbers["dense"]["step_ms"]), "<= 0.8",
+                per(med("served", "decode_call_ms"), numbers["dense"]["step_ms"]) <= 0.8,
+                f"{med('served', 'decode_call_ms'):.1f} vs {numbers['dense']['step_ms']:.1f} ms at a context of "
+                f"{context} tokens; offline's call {med('offline', 'decode_call_ms'):.1f} ms")]
+    for part in ("attention", "matmul", "other", "total"):
+        a, b = med("served", f"{part}_ms_per_token"), med("offline", f"{part}_ms_per_token")
+        rows.append(row(f"3 {part} ms per token, served/offline", per(a, b), "(info)", None, f"{a:.2f} vs {b:.2f} ms"))
+    numbers["rows"] = rows
+    numbers["seconds"] = time.perf_counter() - started
+
+    lines = [f"$ python {' '.join(sys.argv)}", "", f"{'target':<58}{'value':>8}  {'goal':<8}{'result':<8}detail"]
+    lines += [f"{r['target']:<58}{r['value']:>8.3f}  {r['goal']:<8}{r['result']:<8}{r['detail']}" for r in rows]
+    lines.append(f"({numbers['seconds'] / 60:.1f} min)")
+    print("\n".join(lines[2:]))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(numbers, indent=1, default=str))
+    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    print(f"wrote {out} and {out.with_suffix('.txt')}", file=sys.stderr)
+    if args.smoke:
+        return smoke_checks(numbers, args).verdict()
+    return 0 if all(r["result"] != "FAIL" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
