@@ -82,7 +82,7 @@ import labserver
 from labserver import analysis
 from labserver.load.arrivals import WordTexts, take_payloads
 from labserver.experiments.runs import machine_info
-from labserver.models import load_model
+from labserver.models import load_model, on_fresh_thread
 from labserver.load.lengths import UniformLength, take_lengths
 from labserver.loadgen import LoadResult, run_load_sync
 
@@ -391,8 +391,10 @@ def main() -> int:
     for i in range(args.rounds):
         budget = max(1.0, args.duration / 2)
         print(f"round {i + 1}/{args.rounds}: offline ...", file=sys.stderr)
-        r: dict[str, Any] = {"offline_generate": offline_generate(gen, work, args.max_batch, budget),
-                             "offline_engine": offline_engine(gen, work, args.max_batch, budget)}
+        # each on a thread that ends with it, as a server's model thread does: one OpenMP team at a time
+        # (labserver.models.on_fresh_thread says why a second one slows every other)
+        r: dict[str, Any] = {"offline_generate": on_fresh_thread(offline_generate, gen, work, args.max_batch, budget),
+                             "offline_engine": on_fresh_thread(offline_engine, gen, work, args.max_batch, budget)}
         order = (STATIC, CONT, HF) if i % 2 == 0 else (HF, CONT, STATIC)
         for name in order:
             print(f"round {i + 1}/{args.rounds}: {name} ...", file=sys.stderr)

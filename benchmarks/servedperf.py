@@ -44,7 +44,7 @@ import genperf  # (benchmarks/ is the script's folder: on the path)
 from genperf import Checks, check_run, measure, offline_engine, per, row, server, workload
 
 from labserver.experiments.runs import machine_info
-from labserver.models import load_model
+from labserver.models import load_model, on_fresh_thread
 from labserver.models.gpt2 import Costs
 
 CONT = "gen-continuous"
@@ -59,9 +59,10 @@ def costs_of(costs: Costs) -> dict[str, Any]:
 
 
 def offline(gen: Any, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict[str, Any]:
+    """The reference, on a thread that ends with it (as the server's model thread does: one OpenMP team at a time)."""
     gen.costs = Costs()
     try:
-        result = offline_engine(gen, work, args.max_batch, args.duration)
+        result = on_fresh_thread(offline_engine, gen, work, args.max_batch, args.duration)
         return {**result, **costs_of(gen.costs)}
     finally:
         gen.costs = None
@@ -152,7 +153,7 @@ def main() -> int:
         rounds.append(r)
     numbers["rounds"] = rounds
     context = round(statistics.median(r["served"]["mean_context"] for r in rounds))
-    numbers["dense"] = {"context": context, "step_ms": dense_step_ms(gen, args.max_batch, context)}
+    numbers["dense"] = {"context": context, "step_ms": on_fresh_thread(dense_step_ms, gen, args.max_batch, context)}
 
     def med(where: str, key: str) -> float:
         return statistics.median(r[where][key] for r in rounds)

@@ -82,3 +82,28 @@ def test_guide_curl_against_the_embedded_default() -> None:
         assert len(r.json()["embedding"]) == 384
         r = httpx.post(h.url + "/predict", json={"inputs": ["one", "two", "three"]}, timeout=60)
         assert [len(o["embedding"]) for o in r.json()["outputs"]] == [384] * 3
+
+
+def test_on_fresh_thread_returns_raises_and_leaves_no_openmp_team_behind() -> None:
+    """GNU OpenMP keeps worker threads for every thread that ran a parallel op until that thread ends;
+    a second team slows the model thread's (labserver.models.on_fresh_thread). Seen in a clean process:
+    torch work done through on_fresh_thread leaves no thread behind, the same work on the main thread does."""
+    import subprocess
+    import sys
+
+    from labserver.models import on_fresh_thread
+
+    assert on_fresh_thread(lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(KeyError):
+        on_fresh_thread(lambda: {}["missing"])
+    script = (
+        "import os, torch\n"
+        "from labserver.models import on_fresh_thread\n"
+        "def n(): return len(os.listdir('/proc/self/task'))\n"
+        "def work(): return (torch.randn(1500, 1500) @ torch.randn(1500, 1500)).sum().item()\n"
+        "torch.set_num_threads(2); before = n(); on_fresh_thread(work); fresh = n(); work(); main = n()\n"
+        "print(before, fresh, main)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    before, fresh, main = map(int, out.stdout.split())
+    assert fresh == before  # the fresh thread's team ended with it
+    assert main > before  # (the control: a team on a thread that lives on is visible)

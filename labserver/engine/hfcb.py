@@ -62,7 +62,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..models import InputRejected, ModelError, Sampling
+from ..models import InputRejected, ModelError, Sampling, on_fresh_thread
 from ..strategies import GenStrategy
 from .genbase import GenCounters, GenEngine
 from .sequence import Seq
@@ -268,7 +268,9 @@ class HFEngine(GenEngine):
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
         manager = HFManager(self.model, max_running=self.limits.max_batch_size, max_kv_tokens=self.limits.max_kv_tokens)
-        await self.call(manager.start)  # warm-up takes seconds: on the model thread
+        # warm-up takes seconds, off the loop; on a thread that ends, so the manager's generation thread
+        # is the only one left with an OpenMP team (models.on_fresh_thread says why that matters)
+        await asyncio.to_thread(on_fresh_thread, manager.start)
         try:
             while True:
                 joining, reason = await self.strategy.admit(self.queue, self.running, self.clock)  # type: ignore[attr-defined]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import (GREEDY, MEANINGLESS, POISON, Chunk, GenModel, InputRejected, Model, ModelError, ModelLoadError,
-                   OutOfMemory, Sampling, minilm_dir, pick_device, pick_dtype)
+                   OutOfMemory, Sampling, minilm_dir, on_fresh_thread, pick_device, pick_dtype)
 from .synthetic import (
     Echo,
     Synthetic,
@@ -40,7 +40,7 @@ from .synthetic import (
 
 __all__ = ["DEFAULT_MODELS", "GREEDY", "MEANINGLESS", "MODELS", "POISON", "Chunk", "Echo", "GenModel",
            "InputRejected", "Model", "ModelError", "ModelLoadError", "ModelSpec", "OutOfMemory", "Sampling", "Synthetic",
-           "SyntheticGen", "find_spec", "kind_of", "load_model", "minilm_dir", "model_names", "parse_synthetic",
+           "SyntheticGen", "find_spec", "kind_of", "load_model", "minilm_dir", "model_names", "on_fresh_thread", "parse_synthetic",
            "parse_synthetic_gen", "pick_device", "pick_dtype", "register_model"]
 
 Loader = Callable[..., Any]  # (spec, device=, dtype=, task=) -> the model
@@ -97,8 +97,8 @@ def load_model(spec: str = "minilm", *, device: str = "auto", dtype: str = "auto
             raise ModelLoadError(f"{spec!r} is not a generative model; use one of: {', '.join(model_names(kind))}")
         raise ModelLoadError(f"{spec!r} is a generative model; an encoder strategy needs an encoder "
                              f"({', '.join(model_names('encode'))})")
-    try:
-        return family.load(spec, device=device, dtype=dtype, task=task)  # type: ignore[no-any-return]
+    try:  # (built on a thread that ends: no OpenMP team is left behind to slow the model thread)
+        return on_fresh_thread(lambda: family.load(spec, device=device, dtype=dtype, task=task))
     except ModelLoadError:
         raise
     except ImportError as e:

@@ -23,14 +23,17 @@ Nothing here knows HTTP or strategies; torch is imported only when a device is p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 __all__ = ["GREEDY", "MEANINGLESS", "POISON", "Chunk", "GenModel", "InputRejected", "Model", "ModelError",
-           "ModelLoadError", "OutOfMemory", "Sampling", "Samplings", "generate_alone", "minilm_dir", "pick_device",
-           "pick_dtype", "position_seed"]
+           "ModelLoadError", "OutOfMemory", "Sampling", "Samplings", "generate_alone", "minilm_dir", "on_fresh_thread",
+           "pick_device", "pick_dtype", "position_seed"]
+
+T = TypeVar("T")
 
 POISON = "__poison__"  # an input containing this fails inside the synthetic models (fault tests)
 MEANINGLESS = "random weights: these predictions are meaningless (compute cost only)"
@@ -205,6 +208,34 @@ def pick_dtype(dtype: str, device: str) -> Any:
         return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     except KeyError:
         raise ValueError(f"unknown dtype {dtype!r}: use auto, float32, float16 or bfloat16") from None
+
+
+def on_fresh_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on a new thread that ends with it: torch work that leaves no thread pool behind.
+
+    On the CPU, torch parallelises an op with OpenMP, and GNU OpenMP keeps a team of worker
+    threads for *every* thread that ever ran a parallel op, until that thread ends. Its
+    workers spin between ops only while the process's OpenMP threads are no more than its
+    CPUs; past that (two such threads on a 2-core machine already) they go to sleep after
+    each op and must be woken for the next, a system call each, hundreds of times a decode
+    step. So one thread should run a server's model (the model thread), and work done
+    before (loading) or beside it (an offline reference) runs here, where its team is gone
+    when it returns. ``docs/generation.md`` has the measurements.
+    """
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            done["value"] = fn(*args)
+        except BaseException as e:  # re-raised on the caller's thread
+            done["error"] = e
+
+    thread = threading.Thread(target=run, name="labserver-fresh")
+    thread.start()
+    thread.join()
+    if "error" in done:
+        raise done["error"]
+    return done["value"]  # type: ignore[no-any-return]
 
 
 def minilm_dir() -> Path:
