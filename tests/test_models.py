@@ -96,12 +96,14 @@ def test_on_fresh_thread_returns_raises_and_leaves_no_openmp_team_behind() -> No
     assert on_fresh_thread(lambda a, b: a + b, 2, 3) == 5
     with pytest.raises(KeyError):
         on_fresh_thread(lambda: {}["missing"])
-    script = (
-        "import os, torch\n"
+    script = (  # (a team's workers leave a moment after their thread: the count is polled, 5 s at most)
+        "import os, time, torch\n"
         "from labserver.models import on_fresh_thread\n"
         "def n(): return len(os.listdir('/proc/self/task'))\n"
         "def work(): return (torch.randn(1500, 1500) @ torch.randn(1500, 1500)).sum().item()\n"
-        "torch.set_num_threads(2); before = n(); on_fresh_thread(work); fresh = n(); work(); main = n()\n"
+        "torch.set_num_threads(2); before = n(); on_fresh_thread(work); end = time.monotonic() + 5\n"
+        "while n() > before and time.monotonic() < end: time.sleep(0.01)\n"
+        "fresh = n(); work(); main = n()\n"
         "print(before, fresh, main)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     before, fresh, main = map(int, out.stdout.split())
