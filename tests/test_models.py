@@ -109,3 +109,33 @@ def test_on_fresh_thread_returns_raises_and_leaves_no_openmp_team_behind() -> No
     before, fresh, main = map(int, out.stdout.split())
     assert fresh == before  # the fresh thread's team ended with it
     assert main > before  # (the control: a team on a thread that lives on is visible)
+
+
+@pytest.mark.parametrize("user_env", [False, True])
+def test_keep_freed_memory_stops_the_page_faults_of_varying_tensors(user_env: bool) -> None:
+    """Tensors of changing sizes (a step's activations and gathers as contexts grow), made and freed on a
+    thread: with glibc's default thresholds each is a fresh mmap whose pages fault in; after
+    keep_freed_memory the arena reuses them. A user's own MALLOC_*_ setting is left alone."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import resource, sys, torch\n"
+        "from labserver.models import keep_freed_memory, on_fresh_thread\n"
+        "torch.set_num_threads(1)\n"
+        "def churn():\n"
+        "    r0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt\n"
+        "    for i in range(300):\n"
+        "        x = torch.ones((1 << 18) + (i % 50) * (1 << 14)); y = x * 2; del x, y\n"
+        "    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - r0\n"
+        "default = on_fresh_thread(churn); kept = keep_freed_memory(); after = on_fresh_thread(churn)\n"
+        "print(default, kept, after)\n")
+    env = dict(os.environ, MALLOC_TRIM_THRESHOLD_=str(128 << 10)) if user_env else dict(os.environ)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True, env=env)
+    default, kept, after = out.stdout.split()
+    if user_env:
+        assert kept == "False" and int(after) > int(default) / 3  # untouched: still faulting
+    else:
+        assert kept == "True"
+        assert int(after) < int(default) / 5, (default, after)

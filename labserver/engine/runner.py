@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Generator
 from typing import Any
 
-from ..models import ModelError, OutOfMemory
+from ..models import ModelError, OutOfMemory, keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class ModelThread:
         self._jobs: queue.SimpleQueue[tuple[asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]] | None]
         self._jobs = queue.SimpleQueue()
         self._on_death = on_death
+        keep_freed_memory()  # a model built without load_model too: no page faults per op (models.base says why)
         self._thread = threading.Thread(target=self._run, name="labserver-model", daemon=True)
         self._thread.start()
 

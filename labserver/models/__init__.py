@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import (GREEDY, MEANINGLESS, POISON, Chunk, GenModel, InputRejected, Model, ModelError, ModelLoadError,
-                   OutOfMemory, Sampling, minilm_dir, on_fresh_thread, pick_device, pick_dtype)
+                   OutOfMemory, Sampling, keep_freed_memory, minilm_dir, on_fresh_thread, pick_device, pick_dtype)
 from .synthetic import (
     Echo,
     Synthetic,
@@ -40,8 +40,8 @@ from .synthetic import (
 
 __all__ = ["DEFAULT_MODELS", "GREEDY", "MEANINGLESS", "MODELS", "POISON", "Chunk", "Echo", "GenModel",
            "InputRejected", "Model", "ModelError", "ModelLoadError", "ModelSpec", "OutOfMemory", "Sampling", "Synthetic",
-           "SyntheticGen", "find_spec", "kind_of", "load_model", "minilm_dir", "model_names", "on_fresh_thread", "parse_synthetic",
-           "parse_synthetic_gen", "pick_device", "pick_dtype", "register_model"]
+           "SyntheticGen", "find_spec", "keep_freed_memory", "kind_of", "load_model", "minilm_dir", "model_names",
+           "on_fresh_thread", "parse_synthetic", "parse_synthetic_gen", "pick_device", "pick_dtype", "register_model"]
 
 Loader = Callable[..., Any]  # (spec, device=, dtype=, task=) -> the model
 
@@ -97,6 +97,7 @@ def load_model(spec: str = "minilm", *, device: str = "auto", dtype: str = "auto
             raise ModelLoadError(f"{spec!r} is not a generative model; use one of: {', '.join(model_names(kind))}")
         raise ModelLoadError(f"{spec!r} is a generative model; an encoder strategy needs an encoder "
                              f"({', '.join(model_names('encode'))})")
+    keep_freed_memory()  # (once per process: torch's freed tensors stay for reuse, no page faults per op)
     try:  # (built on a thread that ends: no OpenMP team is left behind to slow the model thread)
         return on_fresh_thread(lambda: family.load(spec, device=device, dtype=dtype, task=task))
     except ModelLoadError:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +66,10 @@ class Costs:
             self.decode_s += seconds
             self.decode_tokens += tokens
             self.decode_calls += 1
+
+    def __sub__(self, earlier: Costs) -> Costs:
+        """What was added since ``earlier`` (a copy taken then): the costs of a window."""
+        return Costs(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
 
     def per_token_ms(self) -> dict[str, float]:
         """Milliseconds per chosen token: attention, matmuls, the rest, and in all."""
