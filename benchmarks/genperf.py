@@ -145,7 +145,7 @@ def measure(h: labserver.ServerHandle, args: argparse.Namespace, **how: Any) -> 
     return {
         "offered_rps": how.get("rate_per_s", math.nan), "users": how.get("users"),
         "requests": int(s["count"]), "errors": int(s["count"] - s["n_ok"]),
-        "tps": tps, "window_s": [a_s, b_s],
+        "tps": tps, "window_s": [a_s, b_s], "t0_unix_s": result.meta["t0_unix_s"],
         **{k: float(s.get(k, math.nan)) for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
                                                   "itl_p99_ms")},  # NaN when no request began after the warm-up
         "e2e_tps": float(s.get("token_throughput_tps", math.nan)),

@@ -19,6 +19,9 @@ even ones), ``--rounds`` times:
 During each, ``GPT2Gen.costs`` times every model call's parts: attention (``PagedKV.attend``:
 K/V written to their slots, gathered, attended over), the matmuls (with their layer norms
 and GELU) and the rest (embeddings, logits, planning, choosing tokens), per generated token.
+The breakdown, and the CPU use beside it (cores by thread: the
+model thread, its OpenMP team, the server's event loop, the rest of the machine: the load
+generator and anything else), count the measured window only, not the ramp or the drain.
 A mean decode call of max_batch sequences is set beside transformers' own GPT-2 with its dense
 cache (``DynamicCache``): the median of 30 decode steps of max_batch sequences at the served
 mix's mean context length, the reference for what a step should cost.
@@ -34,9 +37,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import resource
 import statistics
 import sys
+import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -58,25 +65,84 @@ def costs_of(costs: Costs) -> dict[str, Any]:
             "tokens": costs.tokens, "parts_s": costs.attention_s + costs.matmul_s, "total_s": costs.total_s}
 
 
+def usage() -> dict[str, Any]:
+    """CPU seconds so far: this process's threads by name, the machine's busy time, and page faults."""
+    tick, names = os.sysconf("SC_CLK_TCK"), {t.native_id: t.name for t in threading.enumerate()}
+    threads: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # (ended meanwhile)
+            continue
+        name = names.get(int(tid), "")
+        group = ("model thread" if name in ("labserver-model", "labserver-fresh") else "server loop" if name.startswith("labserver-")
+                 else "other threads" if not name else "benchmark")  # unnamed: OpenMP's
+        threads[group] = threads.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return {"t": time.perf_counter(), "threads": threads, "machine": (sum(cpu) - cpu[3] - cpu[4]) / tick,
+            "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+            "system": resource.getrusage(resource.RUSAGE_SELF).ru_stime}
+
+
+def per_second(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Cores used (CPU s per s) between two usage() snapshots: by thread group, the rest of the machine, faults/s."""
+    dt = b["t"] - a["t"]
+    cores = {k: (v - a["threads"].get(k, 0.0)) / dt for k, v in b["threads"].items()}
+    cores["rest of the machine"] = (b["machine"] - a["machine"]) / dt - sum(cores.values())  # client, others
+    return {"cores": {k: round(v, 3) for k, v in cores.items()}, "faults_per_s": (b["faults"] - a["faults"]) / dt,
+            "kernel_cores": (b["system"] - a["system"]) / dt}
+
+
 def offline(gen: Any, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict[str, Any]:
     """The reference, on a thread that ends with it (as the server's model thread does: one OpenMP team at a time)."""
+    def run() -> dict[str, Any]:  # (usage read on the thread: its CPU time is gone from /proc when it ends)
+        before = usage()
+        result = offline_engine(gen, work, args.max_batch, args.duration)
+        return {**result, **per_second(before, usage())}
+
     gen.costs = Costs()
     try:
-        result = on_fresh_thread(offline_engine, gen, work, args.max_batch, args.duration)
-        return {**result, **costs_of(gen.costs)}
+        return {**on_fresh_thread(run), **costs_of(gen.costs)}
     finally:
         gen.costs = None
 
 
+class Sampler(threading.Thread):
+    """Snapshots of the model's costs and the CPU use, four a second, to cut the measured window out of afterwards
+    (the load generator starts in its own process: its window is known only when it is done)."""
+
+    def __init__(self, gen: Any) -> None:
+        super().__init__(name="servedperf-sampler", daemon=True)
+        self.gen, self.stop, self.samples = gen, threading.Event(), []
+
+    def run(self) -> None:
+        self.gen.costs = Costs()
+        while True:
+            self.samples.append((time.time(), replace(self.gen.costs), usage()))
+            if self.stop.wait(0.25):
+                break
+        self.gen.costs = None
+
+    def between(self, a_unix: float, b_unix: float) -> dict[str, Any]:
+        """Costs and CPU use between the samples nearest two wall-clock times."""
+        first = min(self.samples, key=lambda x: abs(x[0] - a_unix))
+        last = min(self.samples, key=lambda x: abs(x[0] - b_unix))
+        return {**costs_of(last[1] - first[1]), **per_second(first[2], last[2])}
+
+
 def served(gen: Any, args: argparse.Namespace) -> dict[str, Any]:
     with server(CONT, gen, args) as h:
-        gen.costs = Costs()
+        sampler = Sampler(gen)
+        sampler.start()
         try:
             m = measure(h, args, users=2 * args.max_batch)
-            context = [s["kv_tokens"] / len(s["seqs"]) for s in h.steps() if s["kind"] == "decode" and s["seqs"]]
-            return {**m, **costs_of(gen.costs), "mean_context": statistics.mean(context) if context else float("nan")}
         finally:
-            gen.costs = None
+            sampler.stop.set()
+            sampler.join()
+        a_s, b_s = m["window_s"]
+        context = [s["kv_tokens"] / len(s["seqs"]) for s in h.steps() if s["kind"] == "decode" and s["seqs"]]
+        return {**m, **sampler.between(m["t0_unix_s"] + a_s, m["t0_unix_s"] + b_s),
+                "mean_context": statistics.mean(context) if context else float("nan")}
 
 
 def dense_step_ms(gen: Any, batch: int, context: int, steps: int = 30) -> float:
@@ -100,7 +166,8 @@ def dense_step_ms(gen: Any, batch: int, context: int, steps: int = 30) -> float:
 def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
     check = Checks()
     check.rows(numbers["rows"], ["1 served/offline tokens/s", "2 served decode call", "3 attention ms per token",
-                                 "3 matmul ms per token", "3 other ms per token"])
+                                 "3 matmul ms per token", "3 other ms per token", "4 page faults per s",
+                                 "5 cores: model thread"])
     check(len(numbers["rounds"]) == args.rounds, f"{len(numbers['rounds'])} rounds recorded of {args.rounds}")
     for i, r in enumerate(numbers["rounds"], 1):
         check_run(check, f"round {i} served", r["served"])
@@ -112,7 +179,10 @@ def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
                   f"exceed the calls' own time ({m['total_s']:.3f} s)")
             check(abs(m["decode_rows"] - args.max_batch) < 0.5 * args.max_batch,
                   f"round {i} {where}: decode calls held {m['decode_rows']:.1f} sequences, not about {args.max_batch}")
-        check(r["served"]["tokens"] >= r["served"]["tokens_server"] * 0.5,
+            check(m.get("cores", {}).get("model thread", 0.0) > 0.2,
+                  f"round {i} {where}: the model thread used {m.get('cores', {}).get('model thread', 0.0):.2f} "
+                  "cores while measured (it should be busy)")
+        check(r["served"]["tokens"] >= r["served"]["tokens_server"] * 0.2,
               f"round {i}: the model chose {r['served']['tokens']} tokens while timed, the server sent "
               f"{r['served']['tokens_server']}")
     check.positive(numbers["dense"]["step_ms"], "transformers' dense decode step (ms)")
@@ -171,6 +241,13 @@ def main() -> int:
     for part in ("attention", "matmul", "other", "total"):
         a, b = med("served", f"{part}_ms_per_token"), med("offline", f"{part}_ms_per_token")
         rows.append(row(f"3 {part} ms per token, served/offline", per(a, b), "(info)", None, f"{a:.2f} vs {b:.2f} ms"))
+    for what, key in (("page faults per s", "faults_per_s"), ("cores in the kernel", "kernel_cores")):
+        a, b = med("served", key), med("offline", key)
+        rows.append(row(f"4 {what}, served (offline)", a, "(info)", None, f"offline {b:.3g}; this process"))
+    for group in ("model thread", "other threads", "server loop", "rest of the machine"):
+        a = statistics.median(r["served"]["cores"].get(group, 0.0) for r in rounds)
+        b = statistics.median(r["offline"]["cores"].get(group, 0.0) for r in rounds)
+        rows.append(row(f"5 cores: {group}, served (offline)", a, "(info)", None, f"offline {b:.2f}"))
     numbers["rows"] = rows
     numbers["seconds"] = time.perf_counter() - started
 

@@ -112,3 +112,20 @@ def test_kvperf_quick_prints_every_target(tmp_path: Path) -> None:
     assert all(m["mean_tokens"] < 0.8 * numbers["args"]["ask"] for m in memory.values())  # EOS ended them early
     assert numbers["prefix"]["cached@sat"]["hit_rate"] > 0.5 and numbers["prefix"]["uncached@sat"]["hit_rate"] == 0
     assert out.with_suffix(".txt").read_text().startswith("$ python ")
+
+
+def test_servedperf_smoke_measures_both_sides_in_the_same_terms(tmp_path: Path) -> None:
+    out = tmp_path / "servedperf.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "servedperf.py"), "--model", "gpt2-tiny-random",
+                          "--rounds", "1", "--warmup", "2", "--duration", "4", "--smoke", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    numbers = json.loads(out.read_text())
+    (r,) = numbers["rounds"]
+    for where in ("served", "offline"):
+        m = r[where]
+        assert m["tokens"] > 0 and 0 < m["parts_s"] <= m["total_s"]  # timed calls, parts within them
+        assert m["cores"]["model thread"] > 0.2  # measured while the model worked
+    # the served breakdown covers the load's window only: tokens timed there are fewer than the server sent in all
+    assert r["served"]["tokens"] < r["served"]["tokens_server"]
+    assert numbers["dense"]["step_ms"] > 0 and "1 served/offline tokens/s" in run.stdout
