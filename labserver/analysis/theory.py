@@ -18,6 +18,7 @@ Nothing here knows of records, HTTP or matplotlib.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -30,6 +31,7 @@ __all__ = [
     "mg1_mean_response_ms",
     "mm1_mean_response_ms",
     "mm1_response_quantile_ms",
+    "supermarket_mean_time",
     "utilization",
 ]
 
@@ -117,6 +119,32 @@ def mm1_response_quantile_ms(rate_per_s: Rate, service_ms: float, q: float) -> f
         raise ValueError(f"q is a quantile and must lie in (0, 1), got {q!r}")
     mean_ms = np.asarray(mm1_mean_response_ms(rate_per_s, service_ms))
     return _out(-np.log1p(-q) * mean_ms)
+
+
+def supermarket_mean_time(load: float, choices: int = 1) -> float:
+    """Mean time in system, in service times, of N -> infinity FIFO M/M/1 replicas when each request joins the
+    shortest of ``choices`` replicas drawn at random (Mitzenmacher's supermarket model; Vvedenskaya et al. 1996).
+
+    One choice is plain M/M/1: ``1 / (1 - load)``. With d >= 2 the share of replicas holding at
+    least i requests falls doubly exponentially, ``s_i = load ** ((d**i - 1) / (d - 1))``, and the
+    mean time is their sum over i >= 1 divided by the load (Little's law).
+
+    >>> supermarket_mean_time(0.9)
+    10.000000000000002
+    >>> round(supermarket_mean_time(0.9, 2), 2)
+    2.61
+    """
+    if not 0.0 < load < 1.0:
+        return math.inf if load >= 1.0 else 0.0
+    if choices < 1:
+        raise ValueError(f"choices must be at least 1, got {choices}")
+    if choices == 1:
+        return 1.0 / (1.0 - load)
+    total, i = 0.0, 1
+    while (term := load ** ((choices ** i - choices) / (choices - 1))) > 1e-15:
+        total += term
+        i += 1
+    return total
 
 
 def busy_cycles_ms(batches: Iterable[Mapping[str, float]]) -> list[float]:
