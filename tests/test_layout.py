@@ -34,6 +34,9 @@ FORBIDDEN = {
     "plots": {"strategies", "models", "engine", "server", "launch", "load", "loadgen", "experiments", "lab", "cli"},
     "wire": {"strategies", "models", "engine", "server", "launch", "load", "loadgen", "analysis", "plots",
              "experiments", "lab", "cli", "config"},
+    # routing policies decide in the live routers and on the virtual clock alike: they know nothing else
+    "routing": {"strategies", "models", "engine", "server", "launch", "load", "loadgen", "analysis", "plots",
+                "experiments", "lab", "cli", "config"},
 }
 
 
