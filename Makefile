@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,notebook]'
+	$(PY) -m pip install -q -e '.[test,notebook,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)

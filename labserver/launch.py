@@ -200,8 +200,11 @@ def serve(
     wait: bool = True,
     attach: bool = False,
     timeout_s: float = 600.0,
+    replicas: int | None = None,
+    router: str = "pow2",
+    ray_address: str | None = None,
     **options: Any,
-) -> ServerHandle:
+) -> Any:
     """Start a labserver and return its handle once it listens (and, with wait, once loaded).
 
     ``options`` are ServerConfig fields and Limits knobs: max_batch_size, max_wait_ms,
@@ -211,8 +214,15 @@ def serve(
 
     ``attach=True`` schedules the server on the event loop running in this thread
     (a Jupyter kernel has one) and returns immediately; it starts when the cell ends.
+
+    ``replicas=N`` deploys N copies on Ray Serve behind one URL, ``router`` choosing the
+    replica for each request (``labserver.replicas``: random, round-robin, pow2,
+    least-loaded, prefix-hash, prefix-aware); ``ray_address`` joins a running cluster instead
+    of starting a local Ray. The handle's ``stop()`` (or the end of a ``with`` block) removes it.
     """
     config, obj = _prepare(strategy, model, host, port, options)
+    if replicas is not None:
+        return _serve_replicas(config, obj, replicas, router, ray_address, attach, timeout_s)
     sock = bind_socket(config.host, config.port)
     server = build_server(config, obj)
     handle = ServerHandle(server, sock, config)
@@ -250,6 +260,18 @@ def serve(
         asyncio.run_coroutine_threadsafe(handle.runtime.wait_loaded(), handle._loop).result(timeout_s)
         _raise_if_failed(handle)
     return handle
+
+
+def _serve_replicas(config: ServerConfig, obj: Any, replicas: int, router: str, ray_address: str | None,
+                    attach: bool, timeout_s: float) -> Any:
+    if obj is not None:
+        raise ValueError("replicas load their model by name in their own processes: pass a spec "
+                         "(e.g. 'gpt2-random'), not a model object")
+    if attach:
+        raise ValueError("replicas run on Ray Serve, not on this event loop: use serve(..., replicas=N) without attach")
+    from .replicas import serve_replicas
+
+    return serve_replicas(config, replicas, router, ray_address=ray_address, timeout_s=timeout_s)
 
 
 async def _serve_here(handle: ServerHandle, sock: socket.socket) -> None:

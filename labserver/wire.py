@@ -18,6 +18,7 @@ HEADER_BATCH_SIZE = "x-batch-size"  # items in that batch
 HEADER_BATCH_ID = "x-batch-id"  # server-wide batch counter, for timelines
 HEADER_DISPATCH = "x-dispatch-reason"  # why that batch left: full, deadline, idle, ...
 HEADER_SERVER_MS = "x-server-ms"  # the handler's start (before the body is read) to the response, ms
+HEADER_REPLICA = "x-replica"  # behind a router (labserver serve --replicas N): the replica that answered
 
 SERVER_HEADERS = (
     HEADER_REQUEST_ID,
@@ -27,6 +28,7 @@ SERVER_HEADERS = (
     HEADER_BATCH_ID,
     HEADER_DISPATCH,
     HEADER_SERVER_MS,
+    HEADER_REPLICA,
 )
 
 # error "type" -> HTTP status it travels with

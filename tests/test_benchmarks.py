@@ -129,3 +129,16 @@ def test_servedperf_smoke_measures_both_sides_in_the_same_terms(tmp_path: Path) 
     # the served breakdown covers the load's window only: tokens timed there are fewer than the server sent in all
     assert r["served"]["tokens"] < r["served"]["tokens_server"]
     assert numbers["dense"]["step_ms"] > 0 and "1 served/offline tokens/s" in run.stdout
+
+
+def test_routeperf_smoke_simulates_every_policy_row(tmp_path: Path) -> None:
+    out = tmp_path / "routeperf.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "routeperf.py"), "--requests", "20000", "--smoke",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    numbers = json.loads(out.read_text())
+    assert all("simulated" in r["target"] and r["target"] in run.stdout for r in numbers["rows"])
+    runs = numbers["runs"]
+    assert set(runs["theory"]) == {"random", "pow2", "least-loaded", "round-robin"}
+    assert runs["theory"]["least-loaded"]["mean"] < runs["theory"]["pow2"]["mean"] < runs["theory"]["random"]["mean"]
+    assert runs["cache"]["prefix-aware"]["hit_rate"] > runs["cache"]["pow2"]["hit_rate"]

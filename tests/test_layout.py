@@ -21,22 +21,27 @@ MAX_LINES = 400  # a module past ~400 lines is two ideas: split it
 # launch; loadgen and load/ talk HTTP only; analysis -> plots; experiments, lab and cli on top)
 FORBIDDEN = {
     "strategies": {"models", "engine", "server", "launch", "load", "loadgen", "analysis", "plots", "experiments",
-                   "lab", "cli", "config"},
+                   "lab", "cli", "config", "replicas"},
     "models": {"strategies", "engine", "server", "launch", "load", "loadgen", "analysis", "plots", "experiments",
-               "lab", "cli", "config"},
-    "engine": {"server", "launch", "load", "loadgen", "analysis", "plots", "experiments", "lab", "cli", "config"},
-    "server": {"launch", "load", "loadgen", "analysis", "plots", "experiments", "lab", "cli"},
-    "load": {"strategies", "models", "engine", "server", "launch", "plots", "experiments", "lab", "cli", "config"},
+               "lab", "cli", "config", "replicas"},
+    "engine": {"server", "launch", "load", "loadgen", "analysis", "plots", "experiments", "lab", "cli", "config",
+               "replicas"},
+    "server": {"launch", "load", "loadgen", "analysis", "plots", "experiments", "lab", "cli", "replicas"},
+    "load": {"strategies", "models", "engine", "server", "launch", "plots", "experiments", "lab", "cli", "config",
+             "replicas"},
     "loadgen": {"strategies", "models", "engine", "server", "launch", "plots", "experiments", "lab", "cli",
-                "config"},
+                "config", "replicas"},
     "analysis": {"strategies", "models", "engine", "server", "launch", "load", "loadgen", "plots", "experiments",
-                 "lab", "cli", "config"},
-    "plots": {"strategies", "models", "engine", "server", "launch", "load", "loadgen", "experiments", "lab", "cli"},
+                 "lab", "cli", "config", "replicas"},
+    "plots": {"strategies", "models", "engine", "server", "launch", "load", "loadgen", "experiments", "lab", "cli",
+              "replicas"},
     "wire": {"strategies", "models", "engine", "server", "launch", "load", "loadgen", "analysis", "plots",
-             "experiments", "lab", "cli", "config"},
+             "experiments", "lab", "cli", "config", "replicas"},
+    # replicas: the ingress and replica deployments over server/ and engine/, started by launch
+    "replicas": {"launch", "load", "loadgen", "analysis", "plots", "experiments", "lab", "cli"},
     # routing policies decide in the live routers and on the virtual clock alike: they know nothing else
     "routing": {"strategies", "models", "engine", "server", "launch", "load", "loadgen", "analysis", "plots",
-                "experiments", "lab", "cli", "config"},
+                "experiments", "lab", "cli", "config", "replicas"},
 }
 
 

@@ -34,6 +34,12 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="/generate: the most tokens one request may ask for (default: %(default)s)")
     p.add_argument("--debug", action="store_true", help="tracebacks in error responses (never when shared)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--replicas", type=int, default=None,
+                   help="N copies on Ray Serve behind one URL (a gen-* strategy; needs labserver[ray])")
+    p.add_argument("--router", default="pow2", help="with --replicas: random, round-robin, pow2 (Ray's default), "
+                                                    "least-loaded, prefix-hash, prefix-aware")
+    p.add_argument("--ray-address", default=None,
+                   help="with --replicas: join this Ray cluster (never stopped here) instead of a local Ray")
     p.set_defaults(func=cmd_serve)
 
 
@@ -47,6 +53,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_chars=args.max_chars,
         max_new_tokens=args.max_new_tokens, log_level=args.log_level,
     )
+    if args.replicas is not None:
+        return serve_replicas_until_stopped(config, args)
     print(f"labserver: {config.strategy} serving {config.model} on http://{config.host}:{config.port} "
           f"(Ctrl-C to stop)", file=sys.stderr)
     try:
@@ -54,4 +62,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except PortInUse as e:
         print(f"labserver: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def serve_replicas_until_stopped(config: ServerConfig, args: argparse.Namespace) -> int:
+    """``--replicas N``: deploy, say where, wait for Ctrl-C or SIGTERM, then remove what was started."""
+    import signal
+    import threading
+
+    from ..replicas import serve_replicas
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        handle = serve_replicas(config, args.replicas, args.router, ray_address=args.ray_address)
+    except (ValueError, RuntimeError, TimeoutError) as e:
+        print(f"labserver: {e}", file=sys.stderr)
+        return 2
+    try:
+        print(f"labserver: {config.strategy} serving {config.model} x{args.replicas} replicas (router "
+              f"{args.router}) on {handle.url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+        stop.wait()
+    finally:
+        handle.stop()
     return 0

@@ -51,6 +51,7 @@ class Seq:
     finished_s: float = math.nan  # its last token was made
     steps: int = 0  # decode steps it took part in while generating
     step_batch_sum: int = 0  # sum of those steps' sizes (for its mean batch)
+    replica: str = ""  # behind a router: the replica generating it (known by its first token)
     _wake: asyncio.Future[None] | None = field(default=None, repr=False)
 
     @property

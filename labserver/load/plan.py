@@ -24,7 +24,7 @@ HEADER_COLUMNS = {
     "queue_ms": wire.HEADER_QUEUE_MS, "compute_ms": wire.HEADER_COMPUTE_MS,
     "batch_size": wire.HEADER_BATCH_SIZE, "batch_id": wire.HEADER_BATCH_ID,
     "dispatch": wire.HEADER_DISPATCH, "server_ms": wire.HEADER_SERVER_MS,
-    "request_id": wire.HEADER_REQUEST_ID,
+    "request_id": wire.HEADER_REQUEST_ID, "replica": wire.HEADER_REPLICA,
 }
 # what a generation answer adds (None/NaN for other modes); token_s is a list of client-clock
 # times (s from the run's start), one per token event, that loadgen turns into its tokens frame

@@ -38,7 +38,7 @@ RECORD_COLUMNS: dict[str, str] = {  # column -> dtype, in order
     "done_s": "float64", "status": "int64", "error": "str", "latency_ms": "float64",
     "send_latency_ms": "float64", "late_ms": "float64", "warmup": "bool", "input_chars": "int64",
     "queue_ms": "float64", "compute_ms": "float64", "batch_size": "Int64", "batch_id": "Int64",
-    "dispatch": "str", "server_ms": "float64", "request_id": "str",
+    "dispatch": "str", "server_ms": "float64", "request_id": "str", "replica": "str",
     # generation (mode "generate"); for a stream, queue_ms and server_ms come from its done event
     "first_token_s": "float64",  # first token event (one-piece answer: done_s), s
     "n_tokens": "Int64",  # token events received (one-piece answer: its generated_tokens)

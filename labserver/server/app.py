@@ -120,10 +120,12 @@ async def internal_error(request: Request, exc: Exception) -> Response:
     return error_response(rt, "internal", "internal server error", rt.request_id(), exc=exc)
 
 
-def create_app(config: ServerConfig | None = None, model: Model | GenModel | None = None) -> Starlette:
-    """The app for one config. ``model`` skips loading by spec (a ready object, e.g. a test fake)."""
+def create_app(config: ServerConfig | None = None, model: Model | GenModel | None = None,
+               engine_factory: Callable[[Any, Any], EngineBase] | None = None) -> Starlette:
+    """The app for one config. ``model`` skips loading by spec (a ready object, e.g. a test fake);
+    ``engine_factory`` puts another engine behind the same routes (the replicas' ingress)."""
     config = config or ServerConfig()
-    runtime = Runtime(config, model)
+    runtime = Runtime(config, model) if engine_factory is None else Runtime(config, model, engine_factory)
     attach_metrics(runtime)
 
     @contextlib.asynccontextmanager

@@ -165,6 +165,8 @@ async def _generate(rt: Runtime, request: Request, body: bytes, rid: str, t0: fl
     seq = engine.submit(prompt_ids, params.max_new_tokens, ignore_eos=params.ignore_eos, request_id=rid)
     await wait_first_token(rt, request, seq, t0)
     headers = {wire.HEADER_REQUEST_ID: rid, wire.HEADER_QUEUE_MS: f"{(seq.admitted_s - seq.enqueued_s) * 1000:.3f}"}
+    if seq.replica:
+        headers[wire.HEADER_REPLICA] = seq.replica
     if params.stream:
         return StreamingResponse(write_stream(rt, [seq], rid, t0, _Events(rt, seq, rid, t0)),
                                  media_type="text/event-stream",

@@ -31,8 +31,11 @@ logger = logging.getLogger(__name__)
 class Runtime:
     """Everything one running app holds: the model, the engine, the counters."""
 
-    def __init__(self, config: ServerConfig, model: Model | GenModel | None = None) -> None:
+    def __init__(self, config: ServerConfig, model: Model | GenModel | None = None,
+                 engine_factory: Callable[[Any, Any], EngineBase] = make_engine) -> None:
+        """``engine_factory(strategy, model)``: another engine behind the same routes (replicas' ingress)."""
         self.config = config
+        self.engine_factory = engine_factory
         self.strategy = make_strategy(config.strategy, config.limits)  # validate names eagerly
         self.model: Model | GenModel | None = model
         self.engine: EngineBase | None = None
@@ -78,7 +81,7 @@ class Runtime:
             # GIL). Freezing moves everything that exists now, the model included, out of the
             # collector's sight, so later collections walk only what serving allocates.
             gc.freeze()
-        self.engine = make_engine(self.strategy, self.model)
+        self.engine = self.engine_factory(self.strategy, self.model)
         self.engine.start()
         self.state = "ready"
         logger.info("serving %s with strategy %s", getattr(self.model, "name", cfg.model), self.strategy.name)

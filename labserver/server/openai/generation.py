@@ -124,6 +124,8 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
                wire.HEADER_QUEUE_MS: f"{(seqs[0].admitted_s - seqs[0].enqueued_s) * 1000:.3f}"}
     if req.ignored:
         headers[wire.HEADER_IGNORED_FIELDS] = ", ".join(req.ignored)
+    if seqs[0].replica:
+        headers[wire.HEADER_REPLICA] = ",".join(dict.fromkeys(s.replica for s in seqs))  # (n > 1: each its own)
     if req.stream:
         return StreamingResponse(write_stream(rt, seqs, rid, t0, _Chunks(reply, seqs, model)),
                                  media_type="text/event-stream",

@@ -1,0 +1,141 @@
+"""Past one server: N replicas of any generation strategy on Ray Serve, one URL, a request router by name.
+
+    with labserver.serve("gen-paged", "synthetic-gen:20+10", replicas=2, router="prefix-aware",
+                         prefix_cache=True) as h:
+        run_load_sync(h.url, mode="generate", ...)      # the same routes, every answer names its replica
+        h.stats()["replicas"]                            # each replica's queue, running, KV blocks, hit rate
+
+``labserver serve --replicas N --router NAME [--ray-address ADDR]`` does the same from the
+shell. Without an address a local Ray instance is started (``num_cpus`` logical CPUs) and
+stopped with the handle; with one, the app joins that cluster and only the app is removed
+at the end, never the cluster. Routers: ``labserver.replicas.routers`` (Ray request
+routers over ``labserver.routing``'s policies); ``docs/replicas.md`` has the lessons.
+Ray is an optional extra (``pip install 'labserver[ray]'``; ``make`` installs it).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from typing import Any
+
+import httpx
+
+from ..config import ServerConfig
+
+__all__ = ["APP", "ReplicasHandle", "serve_replicas"]
+
+logger = logging.getLogger(__name__)
+APP = "labserver"  # the Serve application's name
+
+
+class ReplicasHandle:
+    """What ``serve_replicas`` returns: the URL, the stats, ``stop()`` (also by leaving a ``with`` block)."""
+
+    def __init__(self, url: str, config: ServerConfig, replicas: int, router: str, started_ray: bool) -> None:
+        self.url, self.config, self.replicas, self.router = url, config, replicas, router
+        self.started_ray = started_ray
+        self.stopped = False
+
+    def __repr__(self) -> str:
+        return f"<labserver {self.config.strategy} x{self.replicas} replicas, router {self.router}, at {self.url}>"
+
+    def stats(self) -> dict[str, Any]:
+        return httpx.get(self.url + "/stats", timeout=30).json()  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        """Remove the app; stop Serve and Ray only if this handle started them (never a cluster it joined)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        import ray
+        from ray import serve
+
+        try:
+            serve.delete(APP)
+        finally:
+            if self.started_ray:
+                serve.shutdown()
+                ray.shutdown()
+
+    def __enter__(self) -> ReplicasHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def serve_replicas(config: ServerConfig, replicas: int, router: str = "pow2", *, ray_address: str | None = None,
+                   num_cpus: float | None = None, max_ongoing: int | None = None,
+                   timeout_s: float = 300.0) -> ReplicasHandle:
+    """Deploy ``replicas`` copies of ``config``'s server behind an ingress on Ray Serve; returns once it answers."""
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions, RequestRouterConfig
+
+    from .deploy import Board, Ingress, ReplicaServer
+    from .routers import router_class
+
+    from ..strategies import make_strategy
+
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
+    if make_strategy(config.strategy, config.limits).kind != "generate":
+        raise ValueError(f"replicas serve generation (a gen-* strategy); {config.strategy} is an encoder strategy")
+    path = router_class(router)  # ValueError before anything starts
+    if config.limits.max_batch_size is None:
+        raise ValueError("replicas need max_batch_size (what each replica runs at once)")
+    started = False
+    if ray_address is None:
+        ray.init(num_cpus=num_cpus or replicas + 1, include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.WARNING, configure_logging=False)
+        started = True
+    else:
+        ray.init(address=ray_address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False)
+    try:
+        port = config.port or free_port(config.host)
+        serve.start(http_options=HTTPOptions(host=config.host, port=port), logging_config={"log_level": "WARNING"})
+        per_replica = max_ongoing or 4 * config.limits.max_batch_size  # its batch and a queue behind it
+        cpu = 1.0 if num_cpus is None else num_cpus / (replicas + 1)
+        board = Board.remote()
+        replica = ReplicaServer.options(
+            num_replicas=replicas, max_ongoing_requests=per_replica, ray_actor_options={"num_cpus": cpu * 0.9},
+            request_router_config=RequestRouterConfig(request_router_class=path),
+            health_check_period_s=1.0, health_check_timeout_s=10.0,
+        ).bind(config, board)
+        ingress = Ingress.options(ray_actor_options={"num_cpus": cpu * 0.1}, max_ongoing_requests=100_000
+                                  ).bind(config, replica, board, replicas * per_replica)
+        serve.run(ingress, name=APP, route_prefix="/", blocking=False)
+        url = f"http://{config.host}:{port}"
+        handle = ReplicasHandle(url, config, replicas, router, started)
+        wait_healthy(url, timeout_s)
+        return handle
+    except BaseException:
+        with_stop = ReplicasHandle("", config, replicas, router, started)
+        with_stop.stop()
+        raise
+
+
+def wait_healthy(url: str, timeout_s: float) -> None:
+    """Until the ingress answers /health with 200 (its model loaded, the replicas deployed)."""
+    from ray import serve
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        status = serve.status().applications.get(APP)
+        if status is not None and status.status in ("DEPLOY_FAILED", "UNHEALTHY"):
+            raise RuntimeError(f"replicas failed to deploy: {status.message}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)  # Serve offers no ready event to the caller; this is a bounded poll
+    raise TimeoutError(f"replicas not healthy within {timeout_s:.0f} s")

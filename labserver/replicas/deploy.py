@@ -1,0 +1,162 @@
+"""N replicas of one strategy and model on Ray Serve, behind one ingress and one request router.
+
+The shape of Ray Serve's own LLM serving: an **ingress** deployment holds the HTTP side
+(labserver's whole app: parsing, validation, errors, ``/generate`` and ``/v1``) and calls
+the **replica** deployment through a ``DeploymentHandle``; the request router configured
+on the replica deployment picks the replica for each call. Bad input is refused at the
+ingress and never reaches a replica. Each replica is a labserver runtime (model, engine,
+scheduler) in its own Ray actor, streaming a sequence's tokens back as they are made.
+
+Replicas report their ``/stats`` to a small ``Board`` actor twice a second; the ingress's
+``/stats`` shows them all under ``replicas`` (id -> queue, running sequences, KV blocks,
+prefix-cache hit rate, ...).
+
+Imports Ray: only ``labserver.replicas.serve_replicas`` loads this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import ray
+from ray import serve
+
+from ..config import ServerConfig
+from ..models import Sampling
+from ..server import create_app
+from ..server.handling import describe
+from ..server.runtime import Runtime
+from .remote import RemoteEngine
+
+__all__ = ["Board", "Ingress", "ReplicaServer"]
+
+logger = logging.getLogger(__name__)
+REPORT_S = 0.5  # how often a replica sends the board its stats
+
+
+@ray.remote(num_cpus=0)
+class Board:
+    """The replicas' latest stats, by replica id (a replica that stops reporting ages out)."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, tuple[float, dict[str, Any]]] = {}
+
+    def put(self, replica: str, stats: dict[str, Any]) -> None:
+        self.stats[replica] = (time.time(), stats)
+
+    def all(self, max_age_s: float = 5.0) -> dict[str, dict[str, Any]]:
+        now = time.time()
+        return {r: s for r, (t, s) in sorted(self.stats.items()) if now - t <= max_age_s}
+
+
+@serve.deployment
+class ReplicaServer:
+    """One labserver runtime; ``generate`` streams one sequence's events (``remote`` says which)."""
+
+    async def __init__(self, config: ServerConfig, board: Any) -> None:
+        self.runtime = Runtime(config)
+        await self.runtime.start()
+        await self.runtime.wait_loaded()
+        if not self.runtime.healthy():
+            raise RuntimeError(f"replica failed to start: {self.runtime.load_error}")
+        self.id = serve.get_replica_context().replica_id.unique_id
+        self.board = board
+        self._report = asyncio.get_running_loop().create_task(self._reporting())
+
+    async def _reporting(self) -> None:
+        while True:
+            engine = self.runtime.engine
+            if engine is not None:
+                stats = {**engine.stats(), "answered": self.runtime.statuses[200]}
+                with contextlib.suppress(Exception):  # (the board is gone while the app stops)
+                    await self.board.put.remote(self.id, stats)
+            await asyncio.sleep(REPORT_S)
+
+    async def generate(self, job: dict[str, Any]) -> Any:
+        yield {"replica": self.id}
+        engine: Any = self.runtime.engine
+        try:
+            sampling = Sampling(**job["sampling"]) if job.get("sampling") else None
+            seq = engine.submit(job["prompt_ids"], job["max_new_tokens"], ignore_eos=job["ignore_eos"],
+                                request_id=job["request_id"], sampling=sampling, stop=tuple(job["stop"]),
+                                min_tokens=job["min_tokens"])
+        except Exception as e:
+            kind, message, _ = describe(e)
+            yield {"error": {"type": kind, "message": message}}
+            return
+        sent = 0
+        try:
+            while True:
+                if len(seq.tokens) > sent:
+                    yield {"tokens": seq.tokens[sent:]}
+                    sent = len(seq.tokens)
+                if seq.future.done():
+                    break
+                await asyncio.wait({seq.next_change(), seq.future}, return_when=asyncio.FIRST_COMPLETED)
+            if len(seq.tokens) > sent:
+                yield {"tokens": seq.tokens[sent:]}
+            error = seq.future.exception() if not seq.future.cancelled() else None
+            if error is not None:
+                kind, message, _ = describe(error)
+                yield {"error": {"type": kind, "message": message}}
+                return
+            self.runtime.statuses[200] += 1
+            yield {"done": {"finish_reason": seq.finish_reason, "steps": seq.steps,
+                            "step_batch_sum": seq.step_batch_sum, "cached_tokens": seq.cached_tokens,
+                            "preemptions": seq.preemptions}}
+        finally:
+            seq.future.cancel()  # a no-op once answered; the ingress stopped reading: dropped at the next step
+
+    def check_health(self) -> None:
+        if not self.runtime.healthy():
+            raise RuntimeError("replica engine is not healthy")
+
+    async def __del__(self) -> None:
+        self._report.cancel()
+        await self.runtime.stop()
+
+
+@serve.deployment
+@serve.ingress()
+class Ingress:
+    """labserver's app, its engine handing every sequence to the replicas (``RemoteEngine``)."""
+
+    def __init__(self, config: ServerConfig, replicas: Any, board: Any, max_in_flight: int) -> None:
+        self.config, self.replicas, self.board, self.max_in_flight = config, replicas, board, max_in_flight
+
+    def __serve_build_asgi_app__(self) -> Any:
+        def engine(strategy: Any, model: Any) -> RemoteEngine:
+            return BoardedEngine(strategy, model, self.replicas, self.max_in_flight, self.board)
+
+        return create_app(self.config, engine_factory=engine)
+
+
+class BoardedEngine(RemoteEngine):
+    """A RemoteEngine whose stats include every replica's, read from the board."""
+
+    def __init__(self, strategy: Any, model: Any, handle: Any, max_in_flight: int, board: Any) -> None:
+        super().__init__(strategy, model, handle, max_in_flight)
+        self.board, self.replica_stats = board, {}
+        self._poll: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        super().start()
+        self._poll = asyncio.get_running_loop().create_task(self._polling())
+
+    async def _polling(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                self.replica_stats = await self.board.all.remote()
+            await asyncio.sleep(REPORT_S)
+
+    async def stop(self, in_flight_timeout_s: float = 60.0) -> None:
+        if self._poll is not None:
+            self._poll.cancel()
+        await super().stop(in_flight_timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "replicas": self.replica_stats}

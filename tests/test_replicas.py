@@ -1,0 +1,173 @@
+"""Replicas on a real Ray Serve (a local instance, 2 replicas on 2 cores): one URL, routed, named, stopped.
+
+One deployment serves the whole module (Ray and Serve take ~10 s to start); the last test
+kills a replica's actor and must come last among those that count on both replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import labserver  # noqa: E402
+from labserver import wire  # noqa: E402
+from labserver.replicas import ReplicasHandle  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")  # Ray's own
+
+MODEL = "synthetic-gen:20+10"  # 20 ms a prefill, 10 ms a decode step: sleeps, so 2 cores do not hide routing
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ReplicasHandle]:
+    h = labserver.serve("gen-continuous", MODEL, replicas=2, router="round-robin", max_batch_size=8,
+                        max_queue=64, max_new_tokens=256)
+    try:
+        yield h
+    finally:
+        h.stop()
+    assert not ray.is_initialized()  # the Ray it started is stopped with it
+
+
+def sse_events(text: str) -> list[tuple[str, Any]]:
+    events, kind = [], "message"
+    for line in text.splitlines():
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            data = line[6:]
+            events.append((kind, data if data == "[DONE]" else json.loads(data)))
+            kind = "message"
+    return events
+
+
+def test_generate_streams_through_the_ingress_and_names_its_replica(cluster: ReplicasHandle) -> None:
+    seen = set()
+    for i in range(4):
+        r = httpx.post(cluster.url + "/generate", json={"prompt": f"hello number {i}", "max_new_tokens": 5,
+                                                        "stream": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        events = sse_events(r.text)
+        assert [k for k, _ in events] == ["token"] * 5 + ["done"]
+        assert events[-1][1]["generated_tokens"] == 5 and events[-1][1]["finish_reason"] == "length"
+        seen.add(r.headers[wire.HEADER_REPLICA])
+    assert len(seen) == 2  # round-robin: both replicas, each named
+
+
+def test_openai_chat_stream_through_the_ingress(cluster: ReplicasHandle) -> None:
+    r = httpx.post(cluster.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "say something"}], "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert r.status_code == 200, r.text
+    events = sse_events(r.text)
+    assert events[-1][1] == "[DONE]"
+    chunks = [d for _, d in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert r.headers[wire.HEADER_REPLICA]
+
+
+def test_bad_input_is_refused_at_the_ingress_and_never_reaches_a_replica(cluster: ReplicasHandle) -> None:
+    before = settled(cluster)
+    for body in ({"prompt": 5}, {"prompt": "x", "max_new_tokens": 10_000}, {"prompt": "x", "max_tokens": 3}):
+        r = httpx.post(cluster.url + "/generate", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "bad_request", r.text
+        assert "Traceback" not in r.text and wire.HEADER_REPLICA not in r.headers
+    r = httpx.post(cluster.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": -1}, timeout=30)
+    assert r.status_code == 400 and "error" in r.json()
+    assert settled(cluster) == before
+
+
+def settled(cluster: ReplicasHandle) -> int:
+    """Requests the replicas have taken in, once two reports a second apart agree (replicas report twice a
+    second, so a count read at once may lag the requests just answered)."""
+    def taken() -> int:
+        return sum(s["requests_prefilled"] + s["queue_depth"] for s in replica_stats(cluster).values())
+
+    last, deadline = taken(), time.monotonic() + 15
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = taken()
+        if now == last:
+            return now
+        last = now
+    raise AssertionError("replica stats never settled")
+
+
+def replica_stats(cluster: ReplicasHandle) -> dict[str, dict[str, Any]]:
+    return cluster.stats()["replicas"]  # type: ignore[no-any-return]
+
+
+def test_stats_show_every_replica_and_the_requests_each_took(cluster: ReplicasHandle) -> None:
+    for i in range(6):
+        r = httpx.post(cluster.url + "/generate", json={"prompt": f"count {i}", "max_new_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the board hears from each replica twice a second
+        stats = replica_stats(cluster)
+        if len(stats) == 2 and all(s["requests_prefilled"] >= 3 for s in stats.values()):
+            break
+        time.sleep(0.2)
+    assert len(stats) == 2
+    assert all(s["requests_prefilled"] >= 3 and "kv_blocks" in s and "running" in s for s in stats.values()), stats
+    assert cluster.stats()["strategy"] == "gen-continuous"
+
+
+def test_a_killed_replica_fails_its_requests_clearly_and_is_replaced(cluster: ReplicasHandle) -> None:
+    # a long stream on one replica, then that replica's actor killed mid-stream
+    result: dict[str, Any] = {}
+    first_token = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", cluster.url + "/generate", timeout=60,
+                          json={"prompt": "a long one", "max_new_tokens": 250, "stream": True}) as r:
+            result["replica"] = r.headers.get(wire.HEADER_REPLICA)
+            body = ""
+            for chunk in r.iter_text():
+                body += chunk
+                first_token.set()
+            result["events"] = sse_events(body)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first_token.wait(30)
+    victim = result["replica"]
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"]]
+    assert len(actors) == 1, actors
+    ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+    t.join(60)
+    kinds = [k for k, _ in result["events"]]
+    assert kinds[-1] == "error" and kinds.count("token") < 250  # cut short, and said so
+    error = result["events"][-1][1]["error"]
+    assert error["type"] == "model_unavailable" and "Traceback" not in json.dumps(error)
+    # every other request is answered meanwhile, by the replica left
+    for i in range(4):
+        r = httpx.post(cluster.url + "/generate", json={"prompt": f"after {i}", "max_new_tokens": 3}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.headers[wire.HEADER_REPLICA] != victim
+    # Ray starts a replacement; the router sends to it once it is healthy
+    deadline = time.monotonic() + 90
+    names: set[str] = set()
+    while time.monotonic() < deadline and len(names - {victim}) < 2:
+        r = httpx.post(cluster.url + "/generate", json={"prompt": "again", "max_new_tokens": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+        names.add(r.headers[wire.HEADER_REPLICA])
+        time.sleep(0.1)
+    assert len(names - {victim}) == 2  # two live replicas again, the killed one not among them
+
+
+def test_the_ray_extra_pulls_no_cuda_and_keeps_the_cpu_torch() -> None:
+    """ray[serve] is pinned beside torch==2.13.0: installing it must not have brought CUDA packages."""
+    from importlib import metadata
+
+    names = {d.metadata["Name"].lower() for d in metadata.distributions()}
+    assert not {n for n in names if n.startswith("nvidia-") or n.startswith("cuda-")}, sorted(names)
+    assert metadata.version("ray") == "2.60.0"
+    assert metadata.version("torch").startswith("2.13.0")
