@@ -157,3 +157,26 @@ def test_payload_sources_refuse_nonsense():
         take_payloads([], 1)
     with pytest.raises(TypeError, match="str"):
         take_payloads([b"bytes"], 1)
+
+
+def test_sessions_resend_the_conversation_so_far_turn_after_turn() -> None:
+    from labserver.load.payloads import Sessions
+
+    s = Sessions(sessions=5, turns=3, first_words=10, turn_words=4, answer_words=6)
+    texts = take_payloads(s, 40, seed=3)  # 2 sets of 15, and 10 of a third
+    assert len(texts) == 40 and texts == take_payloads(s, 40, seed=3)
+    for block in (texts[0:15], texts[15:30]):
+        for k in range(5):  # session k's turns, 5 apart
+            t1, t2, t3 = block[k], block[k + 5], block[k + 10]
+            assert t2.startswith(t1 + " assistant: ") and t3.startswith(t2 + " assistant: ")
+            assert len(t3.split()) == len(t2.split()) + 12 == len(t1.split()) + 24  # answer 6 + "user:" 1 + 4 ...
+        assert len({t.split(" assistant:")[0] for t in block}) == 5  # five conversations
+    assert texts[0] != texts[15]  # a fresh set of sessions after the first
+    # sessions in groups that share a system prefix: more groups than a cluster has replicas, say
+    grouped = take_payloads(Sessions(sessions=40, turns=1, prefixes=6, prefix_words=20), 40, seed=0)
+    heads = {t.split(" user:")[0] for t in grouped}
+    assert len(heads) == 6 and all(h.startswith("system ") for h in heads)
+    # and it streams through iter_payloads like any source
+    assert next(iter_payloads(s, seed=3)) == texts[0]
+    with pytest.raises(ValueError, match="turns"):
+        Sessions(turns=0)

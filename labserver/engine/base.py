@@ -284,6 +284,10 @@ class EngineBase:
         return {"strategy": self.strategy.name, "limits": vars(self.limits).copy(), "healthy": self.healthy,
                 **{m.name: m.shown() for m in self.metrics()}}
 
+    def by_replica(self) -> dict[str, list[Metric]]:
+        """Behind a router: each replica's ``metrics()``, by replica id (``/metrics`` labels them)."""
+        return {}
+
     def batch_log(self, last: int | None = None) -> list[dict[str, Any]]:
         """The most recent batches as dicts, oldest first (an engine that forms batches keeps them)."""
         return []

@@ -19,7 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["WORDS", "FileLines", "PayloadLike", "PayloadSource", "WordTexts", "iter_payloads", "take_payloads"]
+__all__ = ["WORDS", "FileLines", "PayloadLike", "PayloadSource", "Sessions", "WordTexts", "iter_payloads",
+           "take_payloads"]
 
 # A small neutral vocabulary: enough variety for tokenizers, no external file.
 WORDS = tuple("""
@@ -78,6 +79,50 @@ class FileLines:
         if not lines:
             raise ValueError(f"{self.path} has no non-blank lines to send")
         return lines
+
+
+@dataclass(frozen=True)
+class Sessions:
+    """Multi-turn conversations: each turn resends the conversation so far plus a new message.
+
+    ``sessions`` conversations run side by side, their turns interleaved (every session's
+    turn 1, then every turn 2, ...), ``turns`` each; then a fresh set. A conversation opens
+    with one of ``prefixes`` shared system texts of ``prefix_words`` (none when 0: groups of
+    sessions sharing a prompt prefix, more groups than replicas if you like) and a first
+    message of ``first_words``; every later turn appends a stand-in answer of
+    ``answer_words`` and a new message of ``turn_words``. So turn k's prompt begins with
+    turn k-1's whole prompt: what a prefix cache keeps, if the same replica gets it. The
+    answers are stand-ins (the generator sends its texts before it hears any answer).
+    """
+
+    sessions: int = 8
+    turns: int = 4
+    first_words: int = 40
+    turn_words: int = 12
+    answer_words: int = 24
+    prefixes: int = 0
+    prefix_words: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("sessions", "turns", "first_words", "turn_words"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Sessions.{name} must be at least 1, got {getattr(self, name)}")
+
+    def take(self, n: int, rng: np.random.Generator) -> list[str]:
+        def words(k: int) -> str:
+            return " ".join(WORDS[w] for w in rng.integers(0, len(WORDS), k))
+
+        shared = [f"system {g}: " + words(self.prefix_words) for g in range(self.prefixes)]
+        out: list[str] = []
+        while len(out) < n:
+            opening = [f"{shared[rng.integers(len(shared))]} " if shared else "" for _ in range(self.sessions)]
+            talk = [f"{o}user: {words(self.first_words)}" for o in opening]
+            for turn in range(self.turns):
+                for s in range(self.sessions):
+                    if turn:
+                        talk[s] += f" assistant: {words(self.answer_words)} user: {words(self.turn_words)}"
+                    out.append(talk[s])
+        return out[:n]
 
 
 class PayloadSource(Protocol):

@@ -43,14 +43,15 @@ class Board:
     """The replicas' latest stats, by replica id (a replica that stops reporting ages out)."""
 
     def __init__(self) -> None:
-        self.stats: dict[str, tuple[float, dict[str, Any]]] = {}
+        self.reports: dict[str, tuple[float, dict[str, Any], list[Any]]] = {}
 
-    def put(self, replica: str, stats: dict[str, Any]) -> None:
-        self.stats[replica] = (time.time(), stats)
+    def put(self, replica: str, stats: dict[str, Any], metrics: list[Any]) -> None:
+        self.reports[replica] = (time.time(), stats, metrics)
 
-    def all(self, max_age_s: float = 5.0) -> dict[str, dict[str, Any]]:
+    def all(self, max_age_s: float = 5.0) -> dict[str, tuple[dict[str, Any], list[Any]]]:
+        """replica -> (its /stats, its metrics()), for those heard from in the last ``max_age_s``."""
         now = time.time()
-        return {r: s for r, (t, s) in sorted(self.stats.items()) if now - t <= max_age_s}
+        return {r: (s, m) for r, (t, s, m) in sorted(self.reports.items()) if now - t <= max_age_s}
 
 
 @serve.deployment
@@ -73,7 +74,7 @@ class ReplicaServer:
             if engine is not None:
                 stats = {**engine.stats(), "answered": self.runtime.statuses[200]}
                 with contextlib.suppress(Exception):  # (the board is gone while the app stops)
-                    await self.board.put.remote(self.id, stats)
+                    await self.board.put.remote(self.id, stats, engine.metrics())
             await asyncio.sleep(REPORT_S)
 
     async def generate(self, job: dict[str, Any]) -> Any:
@@ -140,7 +141,8 @@ class BoardedEngine(RemoteEngine):
 
     def __init__(self, strategy: Any, model: Any, handle: Any, max_in_flight: int, board: Any) -> None:
         super().__init__(strategy, model, handle, max_in_flight)
-        self.board, self.replica_stats = board, {}
+        self.board = board
+        self.reports: dict[str, tuple[dict[str, Any], list[Any]]] = {}
         self._poll: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -150,7 +152,7 @@ class BoardedEngine(RemoteEngine):
     async def _polling(self) -> None:
         while True:
             with contextlib.suppress(Exception):
-                self.replica_stats = await self.board.all.remote()
+                self.reports = await self.board.all.remote()
             await asyncio.sleep(REPORT_S)
 
     async def stop(self, in_flight_timeout_s: float = 60.0) -> None:
@@ -159,4 +161,7 @@ class BoardedEngine(RemoteEngine):
         await super().stop(in_flight_timeout_s)
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "replicas": self.replica_stats}
+        return {**super().stats(), "replicas": {r: s for r, (s, _) in self.reports.items()}}
+
+    def by_replica(self) -> dict[str, list[Any]]:
+        return {r: m for r, (_, m) in self.reports.items()}

@@ -41,6 +41,32 @@ class _RuntimeCollector:
                 family = family_of(metric)
                 if family is not None:
                     yield family
+            yield from replica_families(rt.engine.by_replica())
+
+
+def replica_families(by_replica: dict[str, list[Metric]]) -> Iterator[Any]:
+    """Behind a router: every replica's metrics as ``labserver_replica_<name>{replica="..."}``."""
+    first: dict[str, Metric] = {}
+    for metrics in by_replica.values():
+        for m in metrics:
+            first.setdefault(m.name, m)
+    for name, proto in first.items():
+        if proto.kind == "sizes":
+            continue  # (batch-size histograms stay on each replica's own /stats)
+        family_type = CounterMetricFamily if proto.kind == "counter" else GaugeMetricFamily
+        keyed = isinstance(proto.value, dict)
+        family = family_type(f"labserver_replica_{name}", proto.help,
+                             labels=["replica", proto.label or "label"] if keyed else ["replica"])
+        for replica, metrics in sorted(by_replica.items()):
+            for m in metrics:
+                if m.name != name or m.value is None:
+                    continue
+                if isinstance(m.value, dict):
+                    for key, value in sorted(m.value.items()):
+                        family.add_metric([replica, str(key)], value)
+                elif not keyed:
+                    family.add_metric([replica], m.value)
+        yield family
 
 
 def family_of(m: Metric) -> Any:
