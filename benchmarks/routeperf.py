@@ -18,8 +18,22 @@ objects a live router runs. Rows:
    a hit saving 80 % of a request's service: ``prefix-aware`` against ``pow2`` (hit rate,
    mean time) and ``prefix-hash``.
 
-``--smoke`` judges what was measured (every row, finite values, every request counted),
-not the goals.
+Then **live**, on Ray Serve (``labserver.serve(..., replicas=N, router=...)``, one local Ray
+for the whole run), replicas of ``synthetic-gen`` whose costs are sleeps (so 2 cores do not
+hide what routing does), open-loop Poisson load from the load generator:
+
+5. Cache affinity: 4 replicas of ``gen-paged --prefix-cache``, a prefill costing
+   ``--per-token`` ms a prompt token, multi-turn sessions (``Sessions``: each turn resends the
+   conversation): ``prefix-aware`` / ``pow2`` p50 TTFT (goal <= 0.5), prefix-cache hit rate
+   (>= 2x) and output tokens/s (>= 1.0).
+6. One of 4 replicas at half speed (its decode step twice as long): ``pow2`` /
+   ``round-robin`` p99 TTFT (goal <= 0.5).
+7. The Ray hop: one replica through Ray against the same server direct (tokens/s, p50
+   TTFT), printed as it is; and ``gpt2-random`` on 2 replicas against one direct server on
+   this machine's cores (CPU-bound: two replicas share the same two cores).
+
+``--smoke`` judges what was measured (every row, finite values, every request counted,
+answers named by replicas), not the goals; ``--no-live`` runs the simulation only.
 """
 
 from __future__ import annotations
@@ -34,8 +48,12 @@ from typing import Any
 
 from genperf import Checks, per, row  # (benchmarks/ is the script's folder: on the path)
 
+import labserver
+from labserver import analysis
 from labserver.analysis.theory import supermarket_mean_time
 from labserver.experiments.runs import machine_info
+from labserver.load.payloads import Sessions, WordTexts
+from labserver.loadgen import run_load_sync
 from labserver.routing import simulate_cluster
 
 
@@ -85,6 +103,108 @@ def rows_of(m: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+# -- live, on Ray Serve ------------------------------------------------------------------------------
+
+def load(url: str, args: argparse.Namespace, payload: Any, rate: float, tokens: int, seconds: float) -> Any:
+    return run_load_sync(url, mode="generate", payload=payload, new_tokens=tokens, stream=True, ignore_eos=True,
+                         rate_per_s=rate, duration_s=seconds, seed=args.seed, timeout_s=120, progress=False)
+
+
+def reading(result: Any, handle: Any = None) -> dict[str, Any]:
+    """A run's TTFT, tokens/s, errors and requests per replica; with a handle, the replicas' prefix-cache hits."""
+    s = analysis.summarize(result.records, tokens=result.tokens)
+    records = result.records
+    out = {"requests": int(s["count"]), "errors": int(s["count"] - s["n_ok"]),
+           "ttft_p50_ms": float(s.get("ttft_p50_ms", math.nan)), "ttft_p99_ms": float(s.get("ttft_p99_ms", math.nan)),
+           "tps": float(s.get("token_throughput_tps", math.nan)),
+           "per_replica": {str(k): int(v) for k, v in records["replica"].dropna().value_counts().items()}}
+    if handle is not None:
+        replicas = handle.stats().get("replicas", {})
+        prompt = sum(r.get("prompt_tokens", 0) for r in replicas.values())
+        out["hit_rate"] = sum(r.get("cached_tokens", 0) for r in replicas.values()) / prompt if prompt else 0.0
+        out["replicas_seen"] = len(replicas)
+    return out
+
+
+def routed(router: str, args: argparse.Namespace, strategy: str, model: str, payload: Any, rate: float, tokens: int,
+           seconds: float, **options: Any) -> dict[str, Any]:
+    print(f"live: {router} ...", file=sys.stderr)
+    with labserver.serve(strategy, model, replicas=4, router=router, **options) as h:
+        return reading(load(h.url, args, payload, rate, tokens, seconds), h)
+
+
+def live(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+    from ray import serve
+
+    from labserver.replicas import free_port
+
+    # one Ray and one Serve for every run (each run deploys and removes only its app)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)  # logical CPUs
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port("127.0.0.1")})
+    try:
+        s, m = args.seconds, {}
+        sessions = Sessions(sessions=args.sessions, turns=6, first_words=200, turn_words=20, answer_words=40)
+        cached = f"synthetic-gen:5+10?per_token={args.per_token}"
+        m["cache"] = {r: routed(r, args, "gen-paged", cached, sessions, args.rate, 8, s, prefix_cache=True,
+                                max_batch_size=8, max_kv_tokens=32768, max_new_tokens=64)
+                      for r in ("pow2", "prefix-aware")}
+        texts = WordTexts(dist="uniform", min_words=8, max_words=24)
+        slow = ["synthetic-gen:20+100"] + ["synthetic-gen:20+50"] * 3
+        m["slow"] = {r: routed(r, args, "gen-continuous", "synthetic-gen:20+50", texts, args.slow_rate, 16, s,
+                               replica_models=slow, max_batch_size=2, max_new_tokens=64)
+                     for r in ("round-robin", "pow2")}
+        m["hop"] = hop(args, texts)
+        return m
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def hop(args: argparse.Namespace, texts: Any) -> dict[str, Any]:
+    """One replica through Ray against the same server direct; then gpt2 on 2 replicas against 1 direct."""
+    out: dict[str, Any] = {}
+    how = {"max_batch_size": 8, "max_new_tokens": 64}
+    for name, replicas in (("direct", None), ("ray x1", 1)):
+        print(f"live: hop, {name} ...", file=sys.stderr)
+        with labserver.serve("gen-continuous", "synthetic-gen:20+10", replicas=replicas, **how) as h:
+            out[name] = reading(load(h.url, args, texts, args.hop_rate, 16, args.seconds))
+    gpt2 = "gpt2-tiny-random" if args.smoke else "gpt2-random"
+    for name, replicas in (("gpt2 direct", None), ("gpt2 ray x2", 2)):
+        print(f"live: {name} ...", file=sys.stderr)
+        with labserver.serve("gen-continuous", gpt2, replicas=replicas, **how) as h:
+            r = run_load_sync(h.url, mode="generate", payload=texts, new_tokens=32, stream=True, ignore_eos=True,
+                              users=16, duration_s=args.seconds, seed=args.seed, timeout_s=300, progress=False)
+            out[name] = reading(r)
+    return out
+
+
+def live_rows(m: dict[str, Any]) -> list[dict[str, Any]]:
+    blind, aware = m["cache"]["pow2"], m["cache"]["prefix-aware"]
+    rows = [row("5 live cache affinity: prefix-aware / pow2 p50 TTFT", per(aware["ttft_p50_ms"], blind["ttft_p50_ms"]),
+                "<= 0.5", per(aware["ttft_p50_ms"], blind["ttft_p50_ms"]) <= 0.5,
+                f"{aware['ttft_p50_ms']:.0f} vs {blind['ttft_p50_ms']:.0f} ms; {aware['requests']} and "
+                f"{blind['requests']} requests, six-turn sessions over 4 replicas"),
+            row("5 live cache affinity: prefix-aware / pow2 hit rate", per(aware["hit_rate"], blind["hit_rate"]),
+                ">= 2", per(aware["hit_rate"], blind["hit_rate"]) >= 2,
+                f"{aware['hit_rate']:.3f} vs {blind['hit_rate']:.3f} of prompt tokens from the replicas' caches"),
+            row("5 live cache affinity: prefix-aware / pow2 tokens/s", per(aware["tps"], blind["tps"]), ">= 1.0",
+                per(aware["tps"], blind["tps"]) >= 1.0, f"{aware['tps']:.1f} vs {blind['tps']:.1f} tokens/s")]
+    rr, p2 = m["slow"]["round-robin"], m["slow"]["pow2"]
+    rows.append(row("6 live one replica at half speed: pow2 / round-robin p99 TTFT",
+                    per(p2["ttft_p99_ms"], rr["ttft_p99_ms"]), "<= 0.5", per(p2["ttft_p99_ms"], rr["ttft_p99_ms"]) <= 0.5,
+                    f"{p2['ttft_p99_ms']:.0f} vs {rr['ttft_p99_ms']:.0f} ms; {p2['requests']} and {rr['requests']} "
+                    f"requests; per replica {p2['per_replica']} vs {rr['per_replica']}"))
+    h = m["hop"]
+    rows.append(row("7 live the Ray hop: one replica via Ray / direct, tokens/s", per(h["ray x1"]["tps"],
+                    h["direct"]["tps"]), "(info)", None,
+                    f"p50 TTFT {h['ray x1']['ttft_p50_ms']:.0f} vs {h['direct']['ttft_p50_ms']:.0f} ms"))
+    rows.append(row("7 live gpt2 on 2 replicas / 1 direct, tokens/s (same 2 cores)",
+                    per(h["gpt2 ray x2"]["tps"], h["gpt2 direct"]["tps"]), "(info)", None,
+                    f"{h['gpt2 ray x2']['tps']:.1f} vs {h['gpt2 direct']['tps']:.1f} tokens/s, 16 users: CPU-bound"))
+    return rows
+
+
 def smoke_checks(m: dict[str, Any], rows: list[dict[str, Any]]) -> Checks:
     check = Checks()
     check.rows(rows, ["1 simulated random", "1 simulated pow2", "2 simulated stale", "3 simulated one replica",
@@ -98,28 +218,52 @@ def smoke_checks(m: dict[str, Any], rows: list[dict[str, Any]]) -> Checks:
     return check
 
 
+def live_checks(check: Checks, m: dict[str, Any]) -> None:
+    for part in ("cache", "slow"):
+        for router, r in m[part].items():
+            check(r["requests"] > 0 and r["errors"] == 0, f"{part} {router}: {r['requests']} requests, {r['errors']} errors")
+            check(len(r["per_replica"]) >= 2, f"{part} {router}: answers named by {r['per_replica']}")
+            check(r.get("replicas_seen") == 4, f"{part} {router}: /stats listed {r.get('replicas_seen')} replicas")
+    check(m["cache"]["prefix-aware"]["hit_rate"] > 0, "prefix-aware: no prompt token came from a cache")
+    for name, r in m["hop"].items():
+        check(r["requests"] > 0 and r["errors"] == 0 and r["tps"] > 0, f"hop {name}: {r}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=1_000_000, help="per run of row 1 (a quarter in 2-3)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-live", dest="live", action="store_false", help="the simulation only (no Ray)")
+    ap.add_argument("--seconds", type=float, default=60.0, help="live: seconds of load per run")
+    ap.add_argument("--rate", type=float, default=4.0, help="live 5: requests/s (sessions' turns)")
+    ap.add_argument("--sessions", type=int, default=16, help="live 5: conversations side by side (6 turns each)")
+    ap.add_argument("--per-token", type=float, default=1.0, help="live 5: prefill ms per prompt token")
+    ap.add_argument("--slow-rate", type=float, default=6.0, help="live 6: requests/s")
+    ap.add_argument("--hop-rate", type=float, default=8.0, help="live 7: requests/s")
     ap.add_argument("--smoke", action="store_true", help="exit on checks of what was measured, not on the goals")
     ap.add_argument("--out", default="results/routeperf/cpu.json", help="every number as JSON here (and a .txt)")
     args = ap.parse_args()
     started = time.perf_counter()
     m = measure(args)
     rows = rows_of(m)
+    if args.live:
+        m["live"] = live(args)
+        rows += live_rows(m["live"])
     seconds = time.perf_counter() - started
     numbers = {"machine": machine_info("cpu"), "args": vars(args), "runs": m, "rows": rows, "seconds": seconds}
     lines = [f"$ python {' '.join(sys.argv)}", "", f"{'target':<60}{'value':>8}  {'goal':<9}{'result':<7}detail"]
     lines += [f"{r['target']:<60}{r['value']:>8.3f}  {r['goal']:<9}{r['result']:<7}{r['detail']}" for r in rows]
-    lines.append(f"({seconds:.0f} s; simulated: no server, no model; times in mean service times)")
+    lines.append(f"({seconds:.0f} s; rows 1-4 simulated (times in mean service times), 5-7 live on Ray Serve)")
     print("\n".join(lines[2:]))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(numbers, indent=1, default=str))
     out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     if args.smoke:
-        return smoke_checks(m, rows).verdict()
+        check = smoke_checks({k: v for k, v in m.items() if k != "live"}, rows)
+        if args.live:
+            live_checks(check, m["live"])
+        return check.verdict()
     return 0 if all(r["result"] != "FAIL" for r in rows) else 1
 
 

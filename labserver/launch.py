@@ -203,6 +203,7 @@ def serve(
     replicas: int | None = None,
     router: str = "pow2",
     ray_address: str | None = None,
+    replica_models: list[str] | None = None,
     **options: Any,
 ) -> Any:
     """Start a labserver and return its handle once it listens (and, with wait, once loaded).
@@ -218,11 +219,12 @@ def serve(
     ``replicas=N`` deploys N copies on Ray Serve behind one URL, ``router`` choosing the
     replica for each request (``labserver.replicas``: random, round-robin, pow2,
     least-loaded, prefix-hash, prefix-aware); ``ray_address`` joins a running cluster instead
-    of starting a local Ray. The handle's ``stop()`` (or the end of a ``with`` block) removes it.
+    of starting a local Ray; ``replica_models`` gives replica i its own model spec (one slower
+    replica, say). The handle's ``stop()`` (or the end of a ``with`` block) removes it.
     """
     config, obj = _prepare(strategy, model, host, port, options)
     if replicas is not None:
-        return _serve_replicas(config, obj, replicas, router, ray_address, attach, timeout_s)
+        return _serve_replicas(config, obj, replicas, router, ray_address, attach, timeout_s, replica_models)
     sock = bind_socket(config.host, config.port)
     server = build_server(config, obj)
     handle = ServerHandle(server, sock, config)
@@ -263,7 +265,7 @@ def serve(
 
 
 def _serve_replicas(config: ServerConfig, obj: Any, replicas: int, router: str, ray_address: str | None,
-                    attach: bool, timeout_s: float) -> Any:
+                    attach: bool, timeout_s: float, models: list[str] | None) -> Any:
     if obj is not None:
         raise ValueError("replicas load their model by name in their own processes: pass a spec "
                          "(e.g. 'gpt2-random'), not a model object")
@@ -271,7 +273,7 @@ def _serve_replicas(config: ServerConfig, obj: Any, replicas: int, router: str, 
         raise ValueError("replicas run on Ray Serve, not on this event loop: use serve(..., replicas=N) without attach")
     from .replicas import serve_replicas
 
-    return serve_replicas(config, replicas, router, ray_address=ray_address, timeout_s=timeout_s)
+    return serve_replicas(config, replicas, router, ray_address=ray_address, timeout_s=timeout_s, models=models)
 
 
 async def _serve_here(handle: ServerHandle, sock: socket.socket) -> None:

@@ -118,6 +118,11 @@ def test_stats_show_every_replica_and_the_requests_each_took(cluster: ReplicasHa
     assert len(stats) == 2
     assert all(s["requests_prefilled"] >= 3 and "kv_blocks" in s and "running" in s for s in stats.values()), stats
     assert cluster.stats()["strategy"] == "gen-continuous"
+    assert {s["rank"] for s in stats.values()} == {0, 1} and {s["model"] for s in stats.values()} == {MODEL}
+    text = httpx.get(cluster.url + "/metrics", timeout=30).text  # every replica's counters, labelled
+    for replica in stats:
+        assert f'labserver_replica_requests_prefilled_total{{replica="{replica}"}}' in text
+    assert 'labserver_replica_running{replica="' in text
 
 
 def test_a_killed_replica_fails_its_requests_clearly_and_is_replaced(cluster: ReplicasHandle) -> None:

@@ -7,8 +7,8 @@
 
 ``labserver serve --replicas N --router NAME [--ray-address ADDR]`` does the same from the
 shell. Without an address a local Ray instance is started (``num_cpus`` logical CPUs) and
-stopped with the handle; with one, the app joins that cluster and only the app is removed
-at the end, never the cluster. Routers: ``labserver.replicas.routers`` (Ray request
+stopped with the handle; with one, or when this process already runs Ray, the app joins it
+and only the app is removed at the end, never Ray. Routers: ``labserver.replicas.routers`` (Ray request
 routers over ``labserver.routing``'s policies); ``docs/replicas.md`` has the lessons.
 Ray is an optional extra (``pip install 'labserver[ray]'``; ``make`` installs it).
 """
@@ -33,9 +33,10 @@ APP = "labserver"  # the Serve application's name
 class ReplicasHandle:
     """What ``serve_replicas`` returns: the URL, the stats, ``stop()`` (also by leaving a ``with`` block)."""
 
-    def __init__(self, url: str, config: ServerConfig, replicas: int, router: str, started_ray: bool) -> None:
+    def __init__(self, url: str, config: ServerConfig, replicas: int, router: str, started_ray: bool,
+                 started_serve: bool) -> None:
         self.url, self.config, self.replicas, self.router = url, config, replicas, router
-        self.started_ray = started_ray
+        self.started_ray, self.started_serve = started_ray, started_serve
         self.stopped = False
 
     def __repr__(self) -> str:
@@ -55,8 +56,9 @@ class ReplicasHandle:
         try:
             serve.delete(APP)
         finally:
-            if self.started_ray:
+            if self.started_serve:
                 serve.shutdown()
+            if self.started_ray:
                 ray.shutdown()
 
     def __enter__(self) -> ReplicasHandle:
@@ -73,9 +75,16 @@ def free_port(host: str) -> int:
 
 
 def serve_replicas(config: ServerConfig, replicas: int, router: str = "pow2", *, ray_address: str | None = None,
-                   num_cpus: float | None = None, max_ongoing: int | None = None,
+                   num_cpus: float | None = None, max_ongoing: int | None = None, models: list[str] | None = None,
                    timeout_s: float = 300.0) -> ReplicasHandle:
-    """Deploy ``replicas`` copies of ``config``'s server behind an ingress on Ray Serve; returns once it answers."""
+    """Deploy ``replicas`` copies of ``config``'s server behind an ingress on Ray Serve; returns once it answers.
+
+    ``models``: replica i serves ``models[i % len(models)]`` instead of ``config.model`` (one
+    slower replica, say: ``["synthetic-gen:40+20"] + ["synthetic-gen:20+10"] * 3``); the
+    ingress reads prompts with ``config.model``'s tokenizer, so they must share one.
+    ``max_ongoing``: requests one replica holds (default 4 x max_batch_size); Ray's router
+    holds the rest.
+    """
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, RequestRouterConfig
@@ -93,15 +102,22 @@ def serve_replicas(config: ServerConfig, replicas: int, router: str = "pow2", *,
     if config.limits.max_batch_size is None:
         raise ValueError("replicas need max_batch_size (what each replica runs at once)")
     started = False
-    if ray_address is None:
+    if ray.is_initialized():  # this process already runs Ray (a notebook, a benchmark): join it, leave it running
+        pass
+    elif ray_address is None:
         ray.init(num_cpus=num_cpus or replicas + 1, include_dashboard=False, log_to_driver=False,
                  logging_level=logging.WARNING, configure_logging=False)
         started = True
     else:
         ray.init(address=ray_address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False)
+    started_serve = False
     try:
-        port = config.port or free_port(config.host)
-        serve.start(http_options=HTTPOptions(host=config.host, port=port), logging_config={"log_level": "WARNING"})
+        if serve.status().proxies:  # Serve already runs on this Ray: its HTTP proxy keeps its own address
+            host, port = serving_address(config)
+        else:
+            host, port = config.host, config.port or free_port(config.host)
+            serve.start(http_options=HTTPOptions(host=host, port=port), logging_config={"log_level": "WARNING"})
+            started_serve = True
         per_replica = max_ongoing or 4 * config.limits.max_batch_size  # its batch and a queue behind it
         cpu = 1.0 if num_cpus is None else num_cpus / (replicas + 1)
         board = Board.remote()
@@ -109,18 +125,25 @@ def serve_replicas(config: ServerConfig, replicas: int, router: str = "pow2", *,
             num_replicas=replicas, max_ongoing_requests=per_replica, ray_actor_options={"num_cpus": cpu * 0.9},
             request_router_config=RequestRouterConfig(request_router_class=path),
             health_check_period_s=1.0, health_check_timeout_s=10.0,
-        ).bind(config, board)
+        ).bind(config, board, models)
         ingress = Ingress.options(ray_actor_options={"num_cpus": cpu * 0.1}, max_ongoing_requests=100_000
                                   ).bind(config, replica, board, replicas * per_replica)
         serve.run(ingress, name=APP, route_prefix="/", blocking=False)
-        url = f"http://{config.host}:{port}"
-        handle = ReplicasHandle(url, config, replicas, router, started)
+        url = f"http://{host}:{port}"
+        handle = ReplicasHandle(url, config, replicas, router, started, started_serve)
         wait_healthy(url, timeout_s)
         return handle
     except BaseException:
-        with_stop = ReplicasHandle("", config, replicas, router, started)
-        with_stop.stop()
+        ReplicasHandle("", config, replicas, router, started, started_serve).stop()
         raise
+
+
+def serving_address(config: ServerConfig) -> tuple[str, int]:
+    """The HTTP address of a Serve instance this process did not start."""
+    from ray.serve.context import _get_global_client
+
+    http = _get_global_client().http_config  # (Serve has no public getter for it)
+    return ("127.0.0.1" if http.host in ("0.0.0.0", "") else http.host), int(http.port)
 
 
 def wait_healthy(url: str, timeout_s: float) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -58,13 +59,17 @@ class Board:
 class ReplicaServer:
     """One labserver runtime; ``generate`` streams one sequence's events (``remote`` says which)."""
 
-    async def __init__(self, config: ServerConfig, board: Any) -> None:
+    async def __init__(self, config: ServerConfig, board: Any, models: list[str] | None = None) -> None:
+        context = serve.get_replica_context()
+        self.rank = context.rank.rank if context.rank is not None else 0
+        if models:  # heterogeneous replicas: replica i serves models[i % len(models)] (e.g. one slower)
+            config = dataclasses.replace(config, model=models[self.rank % len(models)])
         self.runtime = Runtime(config)
         await self.runtime.start()
         await self.runtime.wait_loaded()
         if not self.runtime.healthy():
             raise RuntimeError(f"replica failed to start: {self.runtime.load_error}")
-        self.id = serve.get_replica_context().replica_id.unique_id
+        self.id = context.replica_id.unique_id
         self.board = board
         self._report = asyncio.get_running_loop().create_task(self._reporting())
 
@@ -72,7 +77,8 @@ class ReplicaServer:
         while True:
             engine = self.runtime.engine
             if engine is not None:
-                stats = {**engine.stats(), "answered": self.runtime.statuses[200]}
+                stats = {**engine.stats(), "answered": self.runtime.statuses[200], "rank": self.rank,
+                         "model": self.runtime.config.model}
                 with contextlib.suppress(Exception):  # (the board is gone while the app stops)
                     await self.board.put.remote(self.id, stats, engine.metrics())
             await asyncio.sleep(REPORT_S)
