@@ -89,13 +89,16 @@ def rows_of(m: dict[str, Any]) -> list[dict[str, Any]]:
     fresh, stale = m["stale"]["least-loaded@0"], m["stale"]["least-loaded@4"]
     rows.append(row("2 simulated stale loads: least-loaded / pow2 mean time", per(stale["mean"],
                     m["stale"]["pow2@4"]["mean"]), "(info)", None,
-                    f"{stale['mean']:.2f} vs {m['stale']['pow2@4']['mean']:.2f} (random {m['stale']['random@4']['mean']:.2f}); "
-                    f"fresh: {fresh['mean']:.2f} vs {m['stale']['pow2@0']['mean']:.2f}; 16 replicas at 0.8, probed every 4"))
+                    f"{stale['mean']:.2f} vs {m['stale']['pow2@4']['mean']:.2f} "
+                    f"(random {m['stale']['random@4']['mean']:.2f}); fresh: {fresh['mean']:.2f} vs "
+                    f"{m['stale']['pow2@0']['mean']:.2f}; 16 replicas at 0.8, probed every 4"))
     rr, p2 = m["slow"]["round-robin"], m["slow"]["pow2"]
     rows.append(row("3 simulated one replica at half speed: pow2 / round-robin p99", per(p2["p99"], rr["p99"]),
-                    "(info)", None, f"{p2['p99']:.1f} vs {rr['p99']:.1f} service times; 8 replicas at 0.7 of the total"))
+                    "(info)", None,
+                    f"{p2['p99']:.1f} vs {rr['p99']:.1f} service times; 8 replicas at 0.7 of the total"))
     blind, aware, hashed = m["cache"]["pow2"], m["cache"]["prefix-aware"], m["cache"]["prefix-hash"]
-    rows.append(row("4 simulated cache affinity: prefix-aware / pow2 hit rate", per(aware["hit_rate"], blind["hit_rate"]),
+    rows.append(row("4 simulated cache affinity: prefix-aware / pow2 hit rate",
+                    per(aware["hit_rate"], blind["hit_rate"]),
                     "(info)", None, f"{aware['hit_rate']:.3f} vs {blind['hit_rate']:.3f} (prefix-hash "
                     f"{hashed['hit_rate']:.3f}); 32 prefixes, 8 replicas caching 4 each"))
     rows.append(row("4 simulated cache affinity: prefix-aware / pow2 mean time", per(aware["mean"], blind["mean"]),
@@ -192,7 +195,8 @@ def live_rows(m: dict[str, Any]) -> list[dict[str, Any]]:
                 per(aware["tps"], blind["tps"]) >= 1.0, f"{aware['tps']:.1f} vs {blind['tps']:.1f} tokens/s")]
     rr, p2 = m["slow"]["round-robin"], m["slow"]["pow2"]
     rows.append(row("6 live one replica at half speed: pow2 / round-robin p99 TTFT",
-                    per(p2["ttft_p99_ms"], rr["ttft_p99_ms"]), "<= 0.5", per(p2["ttft_p99_ms"], rr["ttft_p99_ms"]) <= 0.5,
+                    per(p2["ttft_p99_ms"], rr["ttft_p99_ms"]), "<= 0.5",
+                    per(p2["ttft_p99_ms"], rr["ttft_p99_ms"]) <= 0.5,
                     f"{p2['ttft_p99_ms']:.0f} vs {rr['ttft_p99_ms']:.0f} ms; {p2['requests']} and {rr['requests']} "
                     f"requests; per replica {p2['per_replica']} vs {rr['per_replica']}"))
     h = m["hop"]
@@ -221,7 +225,8 @@ def smoke_checks(m: dict[str, Any], rows: list[dict[str, Any]]) -> Checks:
 def live_checks(check: Checks, m: dict[str, Any]) -> None:
     for part in ("cache", "slow"):
         for router, r in m[part].items():
-            check(r["requests"] > 0 and r["errors"] == 0, f"{part} {router}: {r['requests']} requests, {r['errors']} errors")
+            check(r["requests"] > 0 and r["errors"] == 0,
+                  f"{part} {router}: {r['requests']} requests, {r['errors']} errors")
             check(len(r["per_replica"]) >= 2, f"{part} {router}: answers named by {r['per_replica']}")
             check(r.get("replicas_seen") == 4, f"{part} {router}: /stats listed {r.get('replicas_seen')} replicas")
     check(m["cache"]["prefix-aware"]["hit_rate"] > 0, "prefix-aware: no prompt token came from a cache")

@@ -75,7 +75,8 @@ def usage() -> dict[str, Any]:
         except OSError:  # (ended meanwhile)
             continue
         name = names.get(int(tid), "")
-        group = ("model thread" if name in ("labserver-model", "labserver-fresh") else "server loop" if name.startswith("labserver-")
+        group = ("model thread" if name in ("labserver-model", "labserver-fresh")
+                 else "server loop" if name.startswith("labserver-")
                  else "other threads" if not name else "benchmark")  # unnamed: OpenMP's
         threads[group] = threads.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     cpu = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -175,7 +176,8 @@ def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
         for where in ("served", "offline"):
             m = r[where]
             check.positive(m["tokens"], f"round {i} {where}: tokens the timed calls chose")
-            check(m["parts_s"] <= m["total_s"] * 1.001, f"round {i} {where}: attention + matmuls ({m['parts_s']:.3f} s) "
+            check(m["parts_s"] <= m["total_s"] * 1.001,
+                  f"round {i} {where}: attention + matmuls ({m['parts_s']:.3f} s) "
                   f"exceed the calls' own time ({m['total_s']:.3f} s)")
             check(abs(m["decode_rows"] - args.max_batch) < 0.5 * args.max_batch,
                   f"round {i} {where}: decode calls held {m['decode_rows']:.1f} sequences, not about {args.max_batch}")

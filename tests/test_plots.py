@@ -255,3 +255,17 @@ def test_overview_without_lag_widens_the_gantt(two_labels):
     assert len(fig.axes) == 5 + 1
     gantt = fig.axes[4]
     assert gantt.get_subplotspec().colspan == range(1, 3)
+
+
+def test_replica_load_draws_one_line_per_replica_with_its_rate() -> None:
+    frame = fake_run(20.0, n=200)
+    frame["replica"] = np.where(np.arange(len(frame)) % 4 == 0, "slow", "fast")  # a quarter to one replica
+    ax = plots.replica_load(frame, bin_s=2.0)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert set(lines) == {"fast (150)", "slow (50)"}
+    # the plotted rates integrate back to each replica's requests
+    assert abs(lines["fast (150)"].get_ydata().sum() * 2.0 - 150) < 1e-9
+    plt.close("all")
+    empty = plots.replica_load(fake_run(20.0, n=10))  # no replica column: says so, draws nothing
+    assert not empty.get_lines() and "x-replica" in empty.texts[0].get_text()
+    plt.close("all")

@@ -28,8 +28,8 @@ MODEL = "synthetic-gen:20+10"  # 20 ms a prefill, 10 ms a decode step: sleeps, s
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[ReplicasHandle]:
-    h = labserver.serve("gen-continuous", MODEL, replicas=2, router="round-robin", max_batch_size=8,
-                        max_queue=64, max_new_tokens=256)
+    h = labserver.serve("gen-continuous", MODEL, replicas=2, router="round-robin", max_batch_size=2,
+                        max_queue=4, max_new_tokens=256)  # 2 x 8 out with replicas, 4 waiting: a 21st is refused
     try:
         yield h
     finally:
@@ -123,6 +123,21 @@ def test_stats_show_every_replica_and_the_requests_each_took(cluster: ReplicasHa
     for replica in stats:
         assert f'labserver_replica_requests_prefilled_total{{replica="{replica}"}}' in text
     assert 'labserver_replica_running{replica="' in text
+
+
+def test_overload_is_refused_at_the_ingress_with_503_and_retry_after(cluster: ReplicasHandle) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def post(i: int) -> httpx.Response:
+        return httpx.post(cluster.url + "/generate", json={"prompt": f"busy {i}", "max_new_tokens": 30}, timeout=120)
+
+    with ThreadPoolExecutor(40) as pool:
+        answers = list(pool.map(post, range(40)))
+    statuses = sorted(r.status_code for r in answers)
+    refused = [r for r in answers if r.status_code == 503]
+    assert set(statuses) == {200, 503} and len(refused) >= 10, statuses  # 16 out + 4 queued at most, then 503
+    assert all(r.headers.get("retry-after") and r.json()["error"]["type"] == "overloaded" for r in refused)
+    assert all(r.json()["generated_tokens"] == 30 for r in answers if r.status_code == 200)  # the rest answered
 
 
 def test_a_killed_replica_fails_its_requests_clearly_and_is_replaced(cluster: ReplicasHandle) -> None:

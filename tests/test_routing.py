@@ -28,7 +28,7 @@ def test_pow2_never_picks_the_longer_of_its_two() -> None:
     policy = make_policy("pow2", seed=3)
     drawn: list[list[int]] = []
     sample = policy.rng.sample
-    policy.rng.sample = lambda population, k: drawn.append(sample(population, k)) or drawn[-1]  # type: ignore[method-assign]
+    policy.rng.sample = lambda pop, k: drawn.append(sample(pop, k)) or drawn[-1]  # type: ignore[method-assign]
     rng = random.Random(0)
     for _ in range(2000):
         loads = [rng.randrange(5) for _ in IDS]

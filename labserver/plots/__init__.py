@@ -7,6 +7,7 @@
   the step Gantt (one lane per sequence's stay, preemptions marked), ``generation_overview``;
 - ``kv``: KV-cache memory: tokens held and reserved, blocks used/cached/free over time,
   time to first token split into queueing and the rest;
+- ``replicas``: requests routed to each replica over time (load skew behind a router);
 - ``common``: what they share (records in, one colour per label, ``ax=None`` in, Axes out).
 
 Every helper takes ``ax=None``, returns the Axes and never changes global matplotlib
@@ -19,6 +20,7 @@ from .batches import batch_gantt, batch_size_hist, overview
 from .requests import (latency_cdf, latency_over_time, latency_vs_throughput, loop_lag, request_timeline,
                        theory_vs_measured)
 from .kv import kv_blocks, kv_tokens, ttft_split
+from .replicas import replica_load
 from .tokens import (generation_overview, itl_cdf, step_gantt, token_throughput_vs_rate, tpot_cdf, ttft_cdf,
                      ttft_vs_rate)
 
@@ -34,6 +36,7 @@ __all__ = [
     "latency_vs_throughput",
     "loop_lag",
     "overview",
+    "replica_load",
     "request_timeline",
     "step_gantt",
     "theory_vs_measured",

@@ -99,7 +99,10 @@ class ReplicaServer:
         try:
             while True:
                 if len(seq.tokens) > sent:
-                    yield {"tokens": seq.tokens[sent:]}
+                    event: dict[str, Any] = {"tokens": seq.tokens[sent:]}
+                    if not sent:  # its prefill's own time: the ingress splits TTFT into waiting and prefill
+                        event["prefill_ms"] = (seq.first_token_s - seq.admitted_s) * 1000
+                    yield event
                     sent = len(seq.tokens)
                 if seq.future.done():
                     break

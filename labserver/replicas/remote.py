@@ -12,8 +12,10 @@ At most ``max_in_flight`` sequences are out with replicas at once (what the repl
 hold); the rest wait in the ingress's queue, whose ``max_queue`` gives 503 with
 Retry-After, as a single server's does.
 
-A replica's events, one dict each: ``{"replica": id}`` first, then ``{"tokens": [...]}``,
-then ``{"done": {...}}`` or ``{"error": {"type": ..., "message": ...}}``.
+A replica's events, one dict each: ``{"replica": id}`` first, then ``{"tokens": [...]}``
+(the first also ``prefill_ms``: so ``x-queue-ms`` counts everything before the replica's
+prefill, the ingress's queue, the router and the replica's queue), then ``{"done": {...}}``
+or ``{"error": {"type": ..., "message": ...}}``.
 """
 
 from __future__ import annotations
@@ -90,6 +92,8 @@ class RemoteEngine(GenEngine):
                 elif "tokens" in event:
                     if not seq.tokens:
                         self.counters.requests_prefilled += 1
+                        if "prefill_ms" in event:  # admitted = when its replica began its prefill, on this clock
+                            seq.admitted_s = self.clock() - event["prefill_ms"] / 1000
                     for token in event["tokens"]:
                         seq.emit(token, self.clock(), None)
                     self.counters.tokens_generated += len(event["tokens"])

@@ -223,7 +223,8 @@ class PrefixAware(Policy):
             matches = [ix.match(keys) for ix in indexes]
             best = max(matches)
             if keys and best / len(keys) >= self.match_threshold:
-                pick, reason = _least(loads, [i for i, m in enumerate(matches) if m == best], self.rng), "longest prefix"
+                longest = [i for i, m in enumerate(matches) if m == best]
+                pick, reason = _least(loads, longest, self.rng), "longest prefix"
             else:
                 sent = [ix.sent_chars for ix in indexes]
                 pick = _least(sent, range(len(ids)), self.rng)
