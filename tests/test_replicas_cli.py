@@ -42,10 +42,13 @@ def test_serve_replicas_from_the_shell_until_sigterm() -> None:
         assert r.status_code == 200 and r.json()["generated_tokens"] == 3
         assert r.headers[wire.HEADER_REPLICA]
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=120) == 0
+        code = proc.wait(timeout=120)
+        assert code == 0, proc.stderr.read()[-3000:]
         with pytest.raises(httpx.HTTPError):  # the app and the Ray it started are gone
             httpx.get(url + "/health", timeout=5)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()

@@ -73,13 +73,13 @@ def serve_replicas_until_stopped(config: ServerConfig, args: argparse.Namespace)
     from ..replicas import serve_replicas
 
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         handle = serve_replicas(config, args.replicas, args.router, ray_address=args.ray_address)
     except (ValueError, RuntimeError, TimeoutError) as e:
         print(f"labserver: {e}", file=sys.stderr)
         return 2
+    for sig in (signal.SIGINT, signal.SIGTERM):  # (after ray.init, which installs handlers of its own)
+        signal.signal(sig, lambda *_: stop.set())
     try:
         print(f"labserver: {config.strategy} serving {config.model} x{args.replicas} replicas (router "
               f"{args.router}) on {handle.url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
