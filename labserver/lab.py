@@ -11,7 +11,10 @@ beyond ``serve``, ``run_load_sync`` and the plots lives here:
   ``labserver.experiments.runs``, re-exported: start each strategy in turn, warm it
   up, load it at several offered rates, stop it, and keep the records, tokens, step
   log, the server's event-loop lag and the /health probes in one clock;
-* ``claim``: a sentence about the numbers, checked against them and printed with them;
+* ``claim``, ``compare``, ``versus``, ``say``: a sentence about the numbers, checked against
+  them (with a margin larger than the run's noise) and printed with them; a reading of a run
+  rendered from its numbers;
+* ``capacity``: the model alone, its throughput with the conditions it depended on;
 * ``brief``, ``lag_sawtooth``: what a notebook prints and draws of a run;
 * ``time_batches``: the model alone, timed at several batch sizes;
 * ``sim_frames``: virtual-clock runs (``labserver.engine.virtual``) as frames the plots take.
@@ -22,6 +25,7 @@ This module is not used by the server, the load generator or the CLI.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -33,6 +37,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pandas as pd
 
+from .analysis.trust import MIN_P99_SAMPLES, trusted
 from .engine.virtual import SimRun
 from .experiments.runs import Runs, lag_in_run_clock, load_rates, serve_and_load, warm_up
 from .load.arrivals import WORDS, WordTexts
@@ -44,6 +49,14 @@ __all__ = [
     "Runs",
     "brief",
     "claim",
+    "compare",
+    "NOISE",
+    "saturated",
+    "say",
+    "spread",
+    "versus",
+    "capacity",
+    "Capacity",
     "device_label",
     "gpu_available",
     "lag_in_run_clock",
@@ -68,7 +81,6 @@ logger = logging.getLogger(__name__)
 QUICK_ENV = "LABSERVER_QUICK"
 T = TypeVar("T")
 
-MIN_P99_SAMPLES = 300  # answers below which a p99 is not reported (it would be one or two requests)
 BRIEF_COLUMNS = ("label", "rate", "count", "throughput_rps", "goodput_rps", "p50_ms", "p99_ms", "mean_ms",
                  "mean_batch_size", "n_503", "n_504", "n_500", "late_frac")
 
@@ -146,23 +158,24 @@ def lag_sawtooth(lag: pd.DataFrame, min_ms: float = 1.0) -> pd.DataFrame:
 def brief(summary: pd.DataFrame, columns: Sequence[str] = BRIEF_COLUMNS, digits: int = 1) -> pd.DataFrame:
     """The columns of a summary worth reading in a notebook, rounded; absent ones skipped.
 
-    A p99 over fewer than ``MIN_P99_SAMPLES`` answers says little (its one or two slowest
-    requests): such cells are left empty, and a note says so. The share of late sends
-    (``late_frac``) is always shown when the summary has it.
+    The trust rules of ``labserver.analysis.trust`` apply: a tail percentile over too few
+    answers (a p99 under ``MIN_P99_SAMPLES``) is left empty, as the plots leave it out, and a
+    note says so. How late the load generator's sends were is said once, in the table:
+    ``late_p99_ms`` beside ``late_frac``, and a ``late_matters`` column only when some run's
+    lateness was large beside its latency.
     """
-    wanted = list(columns) + (["late_frac"] if "late_frac" not in columns else [])
-    view = summary[[c for c in wanted if c in summary.columns]].copy()
+    wanted = list(columns) + [c for c in ("late_frac", "late_p99_ms") if c not in columns]
+    if "late_matters" in summary.columns and summary["late_matters"].fillna(False).astype(bool).any():
+        wanted.append("late_matters")
+    view = trusted(summary)[[c for c in wanted if c in summary.columns]].copy()
     floats = view.select_dtypes("float").columns
     view[floats] = view[floats].round(digits)
     if "late_frac" in view.columns:
         view["late_frac"] = summary["late_frac"].round(3)
-    tails = [c for c in view.columns if "p99" in c and not c.startswith("itl")]  # ITL pools every gap
-    if tails and "n_ok" in summary.columns:
-        few = summary["n_ok"] < MIN_P99_SAMPLES
-        if few.any():
-            view.loc[few, tails] = np.nan
-            print(f"(p99 left out of {int(few.sum())} row(s) with fewer than {MIN_P99_SAMPLES} answers: "
-                  "see their max or p90)")
+    blanked = [c for c in view.columns if c in summary.columns and view[c].isna().sum() > summary[c].isna().sum()]
+    if blanked:
+        print(f"({', '.join(blanked)} left out where fewer than {MIN_P99_SAMPLES} answers back a p99: "
+              "see max or p90)")
     return view
 
 
@@ -188,7 +201,8 @@ class Claim:
         """Printed once by ``claim``; a cell that ends with it shows nothing more."""
 
 
-def claim(statement: str, holds: bool, evidence: str, why_it_may_not: str = "") -> Claim:
+def claim(statement: str, holds: bool, evidence: str, why_it_may_not: str = "", *,
+          margin: float | None = None, noise: float | None = None) -> Claim:
     """State a claim, check it against numbers just measured, and print it with them.
 
     ``claim("continuous's p99 TTFT is under half of static's", ratio <= 0.5, f"{c:.0f} vs {s:.0f} ms")``
@@ -197,11 +211,121 @@ def claim(statement: str, holds: bool, evidence: str, why_it_may_not: str = "") 
     other numbers cannot leave its words behind. A claim that does not hold goes to stderr
     (shown in red in Jupyter), with ``why_it_may_not``; in quick mode every claim is marked
     as such, since tiny runs say little. Nothing is raised: the lesson goes on.
+
+    ``margin`` (relative: 0.3 for "at least 1.3x", 0.1 for "within 10 %") and ``noise`` (the
+    run's own relative spread, ``spread``) make the claim able to fail honestly: a margin
+    smaller than the noise could pass or fail by chance, so such a claim is flagged as not
+    holding, whatever the numbers say. ``compare`` fills both in for a ratio.
     """
+    if margin is not None and noise is not None and abs(margin) < noise:
+        evidence += f"; its margin {pct(margin)} is below this run's noise {pct(noise)}"
+        holds, why_it_may_not = False, "a margin inside the noise cannot tell: claim a larger effect or measure more"
     result = Claim(statement, bool(holds), evidence, why_it_may_not)
     text = str(result) + (" [quick mode: small samples]" if quick_mode() else "")
     print(text, file=sys.stdout if result.holds else sys.stderr)
     return result
+
+
+def pct(x: float) -> str:
+    """A relative figure as the notebooks print it: ``pct(0.3)`` is ``'30 %'``."""
+    return f"{abs(x) * 100:.0f} %"
+
+
+NOISE = 0.05  # the smallest relative difference a claim may rest on when a run measures no spread of its own
+
+
+def spread(values: Sequence[float]) -> float:
+    """The relative spread of repeated measurements of one thing: (max - min) / median, or from
+    ten repeats on, (p90 - p10) / median, so that one stray call does not set the noise.
+
+    >>> round(spread([98.0, 100.0, 103.0]), 3)
+    0.05
+    """
+    arr = np.asarray(values, dtype=float)
+    arr = arr[np.isfinite(arr)]
+    if arr.size < 2 or not np.median(arr):
+        return 0.0
+    low, high = np.percentile(arr, [10, 90]) if arr.size >= 10 else (arr.min(), arr.max())
+    return float((high - low) / np.median(arr))
+
+
+def compare(what: str, a: float, b: float, *, at_least: float | None = None, at_most: float | None = None,
+            within: float | None = None, noise: float = NOISE, unit: str = "", saturated: bool | None = None,
+            why_it_may_not: str = "") -> Claim:
+    """A claim about the ratio ``a / b``, with its effect size and margin in the sentence.
+
+    ``what`` names the ratio ("continuous / static tokens/s, saturated"); exactly one of
+    ``at_least`` (a / b >= it), ``at_most`` (a / b <= it) or ``within`` (|a / b - 1| <= it) is
+    the claim. Its margin (how far the bound is from 1) must exceed ``noise``, the run's own
+    spread (``spread`` of repeats) or ``NOISE``: otherwise the claim is flagged, not made.
+    A throughput ratio only means something when both runs were saturated: pass
+    ``saturated`` (e.g. ``lab.saturated(...)``) and a False makes the claim fail with that
+    reason, since below saturation a server's throughput is what was offered.
+
+    >>> c = compare("x / y", 130.0, 100.0, at_least=1.2)  # doctest: +ELLIPSIS
+    ✔ holds here: x / y is at least 1.2x (1.30x: 130 vs 100; margin 20 %, noise 5 %)
+    >>> compare("x / y", 103.0, 100.0, at_least=1.02).holds  # doctest: +ELLIPSIS
+    False
+    """
+    bounds = [(at_least, "at least {:g}x"), (at_most, "at most {:g}x"), (within, "within {} of 1")]
+    given = [(value, form) for value, form in bounds if value is not None]
+    if len(given) != 1:
+        raise ValueError("compare takes exactly one of at_least, at_most, within")
+    bound, form = given[0]
+    ratio = a / b if b else math.inf
+    if within is not None:
+        holds, margin = abs(ratio - 1.0) <= within, within
+    else:
+        holds, margin = (ratio >= bound) if at_least is not None else (ratio <= bound), bound - 1.0
+    evidence = f"{ratio:.2f}x: {a:.3g} vs {b:.3g}{' ' + unit if unit else ''}"
+    statement = f"{what} is {form.format(pct(bound) if within is not None else bound)}"
+    if saturated is False:
+        evidence += "; not both saturated, so this throughput is what was offered, not a capacity"
+        holds, why_it_may_not = False, "compare throughput only where both runs were saturated"
+    if abs(margin) >= noise:
+        evidence += f"; margin {pct(margin)}, noise {pct(noise)}"
+    return claim(statement, holds, evidence, why_it_may_not, margin=margin, noise=noise)
+
+
+def saturated(offered: float, achieved: float, *, backlog: float = 0.0, share: float = 0.9) -> bool:
+    """Whether a run was past what its server sustains: it answered under ``share`` of what was
+    offered (per second), or left a ``backlog`` (requests still queued or in flight at the end).
+
+    >>> saturated(100.0, 99.0), saturated(100.0, 70.0), saturated(100.0, 99.0, backlog=20)
+    (False, True, True)
+    """
+    return bool(achieved < share * offered or backlog > 0)
+
+
+def versus(a: float, b: float, *, more: str = "higher", less: str = "lower", noise: float = NOISE) -> str:
+    """How ``a`` compares with ``b``, in words a printed reading can use: ``"1.6x higher than"``,
+    ``"0.62x (lower than)"``, or ``"about the same as (within 5 %)"`` inside the noise.
+
+    >>> versus(160, 100), versus(62, 100), versus(101, 100)
+    ('1.6x higher than', '0.62x, so lower than', 'about the same as (within 5 %)')
+    """
+    ratio = a / b if b else math.inf
+    if abs(ratio - 1.0) < noise:
+        return f"about the same as (within {pct(noise)})"
+    return f"{ratio:.2g}x {more} than" if ratio > 1 else f"{ratio:.2g}x, so {less} than"
+
+
+def say(text: str) -> None:
+    """Show a paragraph of reading, written by code from the run's numbers, as markdown.
+
+    In Jupyter it renders as the lesson's text; elsewhere it prints. A notebook's reading of a
+    run goes through this (or ``claim``), never into a static markdown cell after the run.
+    """
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+    except ImportError:  # pragma: no cover - IPython comes with the notebook extra
+        print(text)
+        return
+    if get_ipython() is None:
+        print(text)
+    else:
+        display(Markdown(text))
 
 
 # ---------------------------------------------------------------- the model alone
@@ -224,6 +348,55 @@ def masked_texts(n: int, *, mask: str = "[MASK]", min_words: int = 6, max_words:
         words[int(rng.integers(len(words)))] = mask
         out.append(" ".join(words))
     return out
+
+
+@dataclass
+class Capacity:
+    """What a model sustains alone (no server, no client), with the conditions it depended on."""
+
+    items_per_s: float
+    ms_per_call: float
+    batch: int
+    device: str  # "cpu (2 threads)", "cuda (NVIDIA H100 ...)"
+    tokens: str  # the texts' length in tokens: "9-17 tokens (median 12)"
+    calls: int  # timed calls; the median is kept
+    spread: float  # relative spread of those calls, (max - min) / median
+
+    def __str__(self) -> str:
+        return (f"{self.items_per_s:.1f} texts/s alone ({self.ms_per_call:.1f} ms per call): batch {self.batch}, "
+                f"{self.device}, texts of {self.tokens}, median of {self.calls} calls (spread {pct(self.spread)})")
+
+
+def capacity(model: Any, texts: Sequence[str], *, batch: int = 1, calls: int = 20, warm: int = 3) -> Capacity:
+    """The model's standalone capacity at ``batch`` texts per call, printed with its conditions.
+
+    One definition for every lesson that needs a capacity: the median of ``calls`` timed calls
+    over consecutive batches of ``texts`` (after ``warm`` untimed ones). A served capacity is
+    lower by what the server, the event loop and the load generator take from the same cores;
+    notebooks that serve the model say by how much.
+    """
+    pool = list(texts)
+    for k in range(warm):
+        model(pool[k * batch % len(pool):][:batch] or pool[:batch])
+    took = []
+    for k in range(calls):
+        start = k * batch % len(pool)
+        chunk = (pool[start:] + pool)[:batch]
+        t = time.perf_counter()
+        model(chunk)
+        took.append((time.perf_counter() - t) * 1000)
+    ms = float(np.median(took))
+    tokenizer = getattr(model, "tokenizer", None) or getattr(getattr(model, "pipe", None), "tokenizer", None)
+    if tokenizer is not None:
+        lengths = np.array([len(tokenizer(text)["input_ids"]) for text in pool])
+        tokens = f"{lengths.min()}-{lengths.max()} tokens (median {np.median(lengths):.0f})"
+    else:
+        words = np.array([len(text.split()) for text in pool])
+        tokens = f"{words.min()}-{words.max()} words (median {np.median(words):.0f})"
+    dev = getattr(model, "device", None)
+    return Capacity(items_per_s=batch * 1000 / ms, ms_per_call=ms, batch=batch,
+                    device=device_label(str(dev)) if dev is not None else device_label("cpu"), tokens=tokens,
+                    calls=calls, spread=spread(took))
 
 
 def time_batches(model: Any, sizes: Sequence[int], texts: Sequence[str], *, repeats: int = 3,

@@ -23,6 +23,7 @@ from labserver.analysis import (
     window_s,
 )
 from labserver.analysis.theory import md1_mean_response_ms
+from labserver.analysis.trust import late_matters, trusted
 
 COLUMNS = [
     "i", "scheduled_s", "sent_s", "done_s", "status", "error", "latency_ms", "send_latency_ms", "late_ms",
@@ -162,6 +163,26 @@ def test_late_send_fraction():
     assert summarize(make_records([10.0] * 4, late_ms=[0.0, 0.5, 2.0, 5.0]), late_threshold_ms=0.1)[
         "late_frac"
     ] == pytest.approx(0.75)
+
+
+def test_late_sends_matter_only_beside_the_latency_they_distort():
+    jitter = summarize(make_records([15.0] * 100, late_ms=[0.0] * 80 + [2.0] * 20))  # mean 0.4 ms vs 15 ms
+    assert jitter["late_frac"] == pytest.approx(0.2) and not jitter["late_matters"]
+    assert jitter["late_p99_ms"] == pytest.approx(2.0)
+    stalled = summarize(make_records([15.0] * 100, late_ms=[0.0] * 80 + [10.0] * 20))  # mean 2 ms vs 15 ms
+    assert stalled["late_matters"]
+    assert late_matters(0.1, 15.0, sent_rate=90.0, scheduled_rate=100.0)  # a gentler load than asked
+
+
+def test_tail_percentiles_need_three_answers_beyond_them():
+    table = pd.DataFrame({"n_ok": [299, 300, 29], "p50_ms": [1.0, 1.0, 1.0], "p90_ms": [2.0, 2.0, 2.0],
+                          "p99_ms": [3.0, 3.0, 3.0], "ttft_p99_ms": [4.0, 4.0, 4.0], "itl_p99_ms": [5.0, 5.0, 5.0]})
+    view = trusted(table)
+    assert view["p99_ms"].isna().tolist() == [True, False, True]
+    assert view["ttft_p99_ms"].isna().tolist() == [True, False, True]
+    assert view["p90_ms"].isna().tolist() == [False, False, True]
+    assert view["p50_ms"].notna().all() and view["itl_p99_ms"].notna().all()  # ITL counts gaps, not answers
+    assert table["p99_ms"].notna().all()  # a copy: the summary itself keeps every figure
 
 
 def test_meta_adds_offered_rate_and_concurrency():

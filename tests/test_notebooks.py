@@ -93,3 +93,90 @@ def test_notebook_states_its_claims_against_its_numbers(path: Path) -> None:
     unexplained = [line for line in lines if line.startswith("✘ DOES NOT HOLD here")
                    and not re.search(r"why it may not: \S", line)]
     assert not unexplained, f"{path.name}: claims that failed with no reason given: {unexplained}"
+
+
+# ---------------------------------------------------------------- the reading of a run is printed by the run
+#
+# What can be checked mechanically of "a lesson says only what its output shows":
+# 1. after the first code cell, a markdown sentence carries no measured-looking figure (a
+#    number with a unit of time, rate, ratio, share or memory) and no verdict or comparative
+#    word (faster, keeps up, higher, more than, saturated ...), unless it is a question, says
+#    what to look for ("Look for ..."), or cites its source (a link). Parameters are written
+#    as code (`MAX_BATCH = 32`, `20 ms`), which this rule leaves alone;
+# 2. every code cell that measures (serves and loads, simulates, times the model) is read by
+#    code before the next markdown cell: a lab.claim, lab.compare or lab.say;
+# 3. ratios are claimed with lab.compare (effect size and margin against the run's noise), and
+#    no committed claim was flagged for a margin inside its noise;
+# 4. every notebook names its kernel.
+
+FIGURE = re.compile(r"(?<![\w.`])\d+(?:[.,]\d+)?\s?(?:ms|s|/s|x|×|%|tokens/s|req/s|items/s|texts/s|requests/s"
+                    r"|answers/s|GiB|MiB|MB|GB)(?!\w)")
+VERDICT = re.compile(r"\b(faster|slower|sooner|quicker|outperform\w*|beats?|wins?|loses|kept up|keeps up|alike|"
+                     r"higher|lower|better|worse|more than|less than|fewer than|twice|half as|saturat\w*|fills?|full)\b",
+                     re.IGNORECASE)
+MEASURES = re.compile(r"\b(serve_and_load|run_load_sync|run_load|load_rates|simulate|simulate_gen|simulated_serving|"
+                      r"time_batches|capacity|simulate_cluster)\(")
+READS = re.compile(r"\blab\.(claim|compare|say)\(")
+
+
+def sentences(markdown: str) -> list[str]:
+    text = re.sub(r"`[^`]*`", "`code`", markdown)  # parameters and names, written as code
+    text = re.sub(r"\$[^$]*\$", "$math$", text)
+    return [s.strip() for s in re.split(r"(?<=[.!?:;])\s+|\n\s*[-*]\s|\n\n", text) if s.strip()]
+
+
+def static_readings(nb: nbformat.NotebookNode) -> list[str]:
+    """Markdown sentences after the first code cell that state a result the run could contradict."""
+    found, ran = [], False
+    for n, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            ran = True
+            continue
+        if not ran:
+            continue
+        for sentence in sentences(cell.source):
+            if sentence.endswith("?") or sentence.lower().startswith("look for") or "](" in sentence:
+                continue
+            if FIGURE.search(sentence) or VERDICT.search(sentence):
+                found.append(f"[{n}] {sentence[:120]}")
+    return found
+
+
+def unread_runs(nb: nbformat.NotebookNode) -> list[int]:
+    """Code cells that measure with no lab.claim / compare / say before the next markdown cell."""
+    unread, pending = [], None
+    for n, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown":
+            unread += [] if pending is None else [pending]
+            pending = None
+            continue
+        if MEASURES.search(cell.source) and pending is None:
+            pending = n
+        if READS.search(cell.source):
+            pending = None
+    return unread + ([] if pending is None else [pending])
+
+
+def test_the_rules_catch_what_they_are_for() -> None:
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("runs = lab.serve_and_load(...)"),
+        nbformat.v4.new_markdown_cell("Continuous keeps up and finishes sooner: 114.9 vs 115.3 s."),
+        nbformat.v4.new_markdown_cell("Look for which finishes sooner. Is p99 higher? With `MAX_BATCH = 32`, "
+                                      "the window is `1 ms` ([the guide](https://example.org) says 1 ms)."),
+        nbformat.v4.new_code_cell("lab.compare('a / b', a, b, at_least=1.3)"),
+    ])
+    assert static_readings(nb) == ["[1] Continuous keeps up and finishes sooner:", "[1] 114.9 vs 115.3 s."]
+    assert unread_runs(nb) == [0]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_the_reading_of_each_run_is_printed_by_the_run(path: Path) -> None:
+    nb = nbformat.reads(path.read_text(), as_version=4)
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3", f"{path.name} names no python3 kernel"
+    assert not static_readings(nb), (f"{path.name}: markdown after a run states results the run could contradict; "
+                                     f"print them from the numbers (lab.say / lab.claim): {static_readings(nb)}")
+    assert not unread_runs(nb), f"{path.name}: runs in cells {unread_runs(nb)} are not read by lab.claim/compare/say"
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert "lab.compare(" in code, f"{path.name} claims no ratio with its margin (lab.compare)"
+    flagged = [line for line in outputs_text(nb) if "below this run's noise" in line]
+    assert not flagged, f"{path.name}: committed claims whose margin is inside their noise: {flagged}"

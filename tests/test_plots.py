@@ -98,8 +98,8 @@ def legend_texts(ax) -> list[str]:
 def test_latency_cdf_one_line_per_label_with_marks(ax, two_labels):
     assert plots.latency_cdf(two_labels, ax=ax) is ax
     assert len(ax.lines) == 2
-    assert len(ax.collections) == 4  # p50 and p99 marks for each label
-    assert legend_texts(ax) == ["batched", "single", "p50", "p99"]
+    assert len(ax.collections) == 2  # p50 marks; a p99 of ~110 answers is left out (analysis.trust)
+    assert legend_texts(ax) == ["batched", "single", "p50"]
     assert ax.get_xscale() == "log" and "ms" in ax.get_xlabel()
     line = ax.lines[1]  # "single": 115 measured rows, 3 of them 503s
     assert len(line.get_xdata()) == 112 and line.get_ydata()[-1] == pytest.approx(1.0)
@@ -116,9 +116,9 @@ def test_a_stream_that_broke_off_after_its_200_is_not_an_answer(ax):
 
 
 def test_latency_cdf_tail_view_and_unlabelled_frame(ax):
-    plots.latency_cdf(fake_run(50.0), ax=ax, tail=True, marks=(99.0,))
+    plots.latency_cdf(fake_run(50.0), ax=ax, tail=True, marks=(50.0, 99.0))
     assert ax.get_yscale() == "log" and len(ax.lines) == 1 and len(ax.collections) == 1
-    assert legend_texts(ax) == ["p99"]
+    assert legend_texts(ax) == ["p50"]  # too few answers for a p99 mark
     assert (ax.lines[0].get_ydata() > 0).all()
 
 

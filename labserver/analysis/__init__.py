@@ -5,6 +5,7 @@
 - ``summary``: ``summarize`` / ``summarize_runs``, the one summary (one name, one formula per figure);
 - ``tokens``: TTFT, TPOT, inter-token latency and goodput of generation runs;
 - ``sweep``: the highest offered rate that meets a latency SLO;
+- ``trust``: when a percentile has enough samples and when late sends matter;
 - ``theory``: M/D/1, M/M/1 and M/G/1 predictions to hold measurements against.
 
 Nothing here knows of HTTP or matplotlib.
@@ -19,8 +20,10 @@ from .sweep import SweepResult, sweep
 from .theory import (busy_cycles_ms, capacity_rps, md1_mean_response_ms, mg1_mean_response_ms, mm1_mean_response_ms,
                      mm1_response_quantile_ms, utilization)
 from .tokens import combine_tokens, gen_summary, itl_ms
+from .trust import MIN_P99_SAMPLES, enough, late_matters, trusted
 
 __all__ = [
+    "MIN_P99_SAMPLES",
     "PERCENTILES",
     "PERCENTILE_METHOD",
     "RUN_KEYS",
@@ -29,6 +32,8 @@ __all__ = [
     "batches",
     "busy_cycles_ms",
     "capacity_rps",
+    "enough",
+    "late_matters",
     "combine",
     "combine_tokens",
     "gen_summary",
@@ -45,6 +50,7 @@ __all__ = [
     "summarize_runs",
     "summary_row",
     "sweep",
+    "trusted",
     "unpack",
     "utilization",
     "window_s",

@@ -30,6 +30,7 @@ import pandas as pd
 
 from .records import RUN_KEYS, batch_size_counts, batches, measured, ok, window_s
 from .tokens import gen_summary, has_generation, tokens_of_run
+from .trust import late_matters
 
 __all__ = ["ALWAYS_COUNTED", "PERCENTILES", "PERCENTILE_METHOD", "summarize", "summarize_runs", "summary_row",
            "tidy_counts"]
@@ -90,6 +91,8 @@ def summary_row(records: pd.DataFrame, slo_ms: float | None = None, duration_s: 
     late = rows["late_ms"].dropna() if "late_ms" in rows.columns else pd.Series(dtype=float)
     out["late_frac"] = float((late > late_threshold_ms).mean()) if len(late) else math.nan
     out["max_late_ms"] = float(late.max()) if len(late) else math.nan
+    out["late_p99_ms"] = float(np.percentile(late, 99, method=PERCENTILE_METHOD)) if len(late) else math.nan
+    out["late_matters"] = bool(len(late)) and late_matters(float(late.clip(lower=0).mean()), out["p50_ms"])
     if has_generation(rows):
         out.update(gen_summary(rows, answers, window, **(gen or {})))
     return out
@@ -123,7 +126,9 @@ def summarize(
     ``mean_batch_size``, ``max_batch_size`` (each batch once),
     ``dispatch_<reason>`` (batches per reason); ``mean_queue_ms``,
     ``mean_compute_ms``, ``mean_server_ms`` (over 2xx requests); ``late_frac``,
-    ``max_late_ms`` (the load generator falling behind its schedule). Generation
+    ``max_late_ms``, ``late_p99_ms`` (the load generator falling behind its schedule) and
+    ``late_matters`` (whether that lateness is large beside the latency measured:
+    ``labserver.analysis.trust``). Generation
     records add ``gen_summary``'s entries (ITL from ``tokens``, the run's tokens
     frame; ``gen_goodput_rps`` under ``ttft_slo_ms`` and/or ``tpot_slo_ms``).
     """

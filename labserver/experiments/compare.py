@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
-from .. import plots
+from .. import analysis, plots
 from ..load.arrivals import WordTexts
 from ..load.lengths import UniformLength
 from ..load.results import RECORD_COLUMNS, LoadResult
@@ -234,7 +234,7 @@ def draw(out: str | Path) -> list[Path]:
                                              "Latency", "latency_cdf"),
             "latency_vs_throughput": lambda ax: plots.latency_vs_throughput(summary, ax, slo_ms=slo_ms).set_title(
                 f"Latency vs throughput, every offered rate ({run_name})"),
-            "batch_sizes": lambda ax: titled(plots.batch_size_hist(at_rate(records, "batch_sizes"), ax),
+            "batch_sizes": lambda ax: titled(plots.batch_size_hist(at_rate(records, "batch_sizes"), ax, weight="share"),
                                              "Batch sizes", "batch_sizes"),
             "batch_gantt": lambda ax: titled(plots.batch_gantt(at_rate(records, "batch_gantt"), ax),
                                              "Batches over time", "batch_gantt"),
@@ -255,14 +255,16 @@ def draw(out: str | Path) -> list[Path]:
 
 TABLE_COLUMNS = {
     "encode": ("label", "rate", "throughput_rps", "p50_ms", "p99_ms", "goodput_rps", "mean_batch_size", "n_503",
-               "n_504", "n_500", "err_client_overflow", "late_frac"),
+               "n_504", "n_500", "err_client_overflow", "late_frac", "late_p99_ms"),
     "generate": ("label", "rate", "throughput_rps", "token_throughput_tps", "ttft_p50_ms", "ttft_p99_ms",
-                 "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "gen_goodput_rps", "idle_share", "n_503", "late_frac"),
+                 "tpot_p50_ms", "tpot_p99_ms", "itl_p99_ms", "gen_goodput_rps", "idle_share", "n_503", "late_frac", "late_p99_ms"),
 }
 
 
 def table(summary: pd.DataFrame, task: str = "encode") -> str:
     """The summary's columns worth printing, as text."""
     cols = [c for c in TABLE_COLUMNS[task] if c in summary]
-    view = summary[cols].rename(columns={"label": "strategy", "rate": "offered/s", "err_client_overflow": "unsent"})
+    if "late_matters" in summary and summary["late_matters"].fillna(False).astype(bool).any():
+        cols.append("late_matters")  # only where some run's late sends were large beside its latency
+    view = analysis.trusted(summary)[cols].rename(columns={"label": "strategy", "rate": "offered/s", "err_client_overflow": "unsent"})
     return view.to_string(index=False, float_format=lambda x: f"{x:.4g}" if not math.isnan(x) else "-")

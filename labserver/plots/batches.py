@@ -31,18 +31,23 @@ def batch_size_hist(
     weight: str = "batches",
     stacked: bool = False,
 ) -> Axes:
-    """How many batches (``weight="batches"``) or requests (``"requests"``) had each size.
+    """How many batches (``weight="batches"``) or requests (``"requests"``) had each size,
+    or each label's share of its requests served in batches of each size (``"share"``).
 
     One bar per label and size, side by side (or ``stacked``), one bin per
-    integer size from 1 to the largest seen; each batch counts once.
+    integer size from 1 to the largest seen; each batch counts once. ``"share"`` puts
+    labels of very different batch counts on one scale: a rule that made 1,000 batches of
+    one does not flatten the histogram of one that made 40 batches of 25.
     """
-    if weight not in ("batches", "requests"):
-        raise ValueError(f'weight must be "batches" or "requests", got {weight!r}')
+    if weight not in ("batches", "requests", "share"):
+        raise ValueError(f'weight must be "batches", "requests" or "share", got {weight!r}')
     ax = get_ax(ax)
     groups = label_groups(frame_of(records), by)
     colors = label_colors([label for label, _ in groups])
     counts = [(label, analysis.batch_size_counts(rows)) for label, rows in groups]
-    counts = [(label, c * c.index if weight == "requests" else c) for label, c in counts if len(c)]
+    counts = [(label, c * c.index if weight != "batches" else c) for label, c in counts if len(c)]
+    if weight == "share":
+        counts = [(label, c / c.sum()) for label, c in counts]
     if not counts:
         return empty(ax, "no batch sizes in these records")
     sizes = np.arange(1, max(int(c.index.max()) for _, c in counts) + 1)
@@ -57,7 +62,7 @@ def batch_size_hist(
             bottom += heights
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("batch size (requests per model call)")
-    ax.set_ylabel(weight)
+    ax.set_ylabel("share of requests" if weight == "share" else weight)
     ax.set_title("Batch sizes")
     legend(ax, fontsize="small")
     return ax
@@ -135,7 +140,7 @@ def overview(
     table = summary if summary is not None else analysis.summarize_runs(frame, slo_ms=slo_ms)
     latency_vs_throughput(table, fig.add_subplot(grid[0, 1]), slo_ms=slo_ms)
     busiest = busiest_runs(frame, rate)
-    _at(batch_size_hist(busiest, fig.add_subplot(grid[0, 2])), "Batch sizes", busiest)
+    _at(batch_size_hist(busiest, fig.add_subplot(grid[0, 2]), weight="share"), "Batch sizes", busiest)
     first = one_run(busiest, None, None)
     ax = request_timeline(first, fig.add_subplot(grid[1, 0]), n=n_requests)
     if "label" in first.columns and len(first):

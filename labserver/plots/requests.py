@@ -46,7 +46,8 @@ def latency_cdf(
 ) -> Axes:
     """Cumulative distribution of the latency of answers (2xx, no error), one line per label, log-scaled ms.
 
-    ``marks`` puts a marker at those percentiles (same method as the summaries).
+    ``marks`` puts a marker at those percentiles (same method as the summaries); a tail mark
+    (p90 and up) is drawn only where enough answers back it (``analysis.trust``).
     With ``tail=True`` the y axis shows the fraction *slower* than x on a log
     scale instead, which spreads out the p99–p99.9 region a linear CDF squashes.
     ``column`` names another ms column to draw (``labserver.plots.tokens`` draws
@@ -55,6 +56,7 @@ def latency_cdf(
     ax = get_ax(ax)
     groups = label_groups(frame_of(records), by)
     colors = label_colors([label for label, _ in groups])
+    drawn: set[float] = set()
     for label, rows in groups:
         latency = ok_values(rows, column)
         if latency.size == 0:
@@ -64,8 +66,11 @@ def latency_cdf(
         name = "_nolegend_" if label is None else str(label)
         ax.plot(x, y, drawstyle="steps-post", color=colors[label], label=name)
         for q in marks:
+            if q >= 90 and not analysis.enough(q, latency.size):
+                continue  # a tail mark from too few answers would be one or two requests
             value = np.percentile(latency, q, method=analysis.PERCENTILE_METHOD)
             y_mark = 1.0 - q / 100.0 if tail else q / 100.0
+            drawn.add(q)
             ax.scatter([value], [y_mark], marker=MARKERS.get(q, "o"), color=colors[label], edgecolor="black", zorder=3)
     ax.set_xscale("log")
     plain_log_ticks(ax.xaxis)
@@ -80,8 +85,8 @@ def latency_cdf(
     ax.grid(True, which="major", alpha=0.3)
     handles, names = ax.get_legend_handles_labels()
     # marks in black, once, however many labels share them
-    handles += [Line2D([], [], linestyle="", marker=MARKERS.get(q, "o"), color="0.3") for q in marks]
-    names += [f"p{q:g}" for q in marks]
+    handles += [Line2D([], [], linestyle="", marker=MARKERS.get(q, "o"), color="0.3") for q in marks if q in drawn]
+    names += [f"p{q:g}" for q in marks if q in drawn]
     if handles:
         ax.legend(handles, names, loc="lower right" if not tail else "lower left", fontsize="small")
     return ax
@@ -103,7 +108,7 @@ def latency_vs_throughput(
     """
     ax = get_ax(ax)
     frame = frame_of(data)
-    table = frame if "p99_ms" in frame.columns else analysis.summarize_runs(frame, slo_ms=slo_ms)
+    table = analysis.trusted(frame if "p99_ms" in frame.columns else analysis.summarize_runs(frame, slo_ms=slo_ms))
     groups = label_groups(table, by)
     colors = label_colors([label for label, _ in groups])
     for label, rows in groups:
@@ -238,7 +243,7 @@ def theory_vs_measured(
     """
     ax = get_ax(ax)
     right = ax.get_xlim()[1] if ax.has_data() else 0.0  # a second call only widens the view
-    rows = summary.sort_values("rate")
+    rows = analysis.trusted(summary).sort_values("rate")
     capacity = analysis.capacity_rps(service_ms)
     top = max(float(rows["rate"].max()), 0.0)
     grid = np.linspace(0.0, min(capacity * 0.985, max(top * 1.1, capacity * 0.9)), 200)

@@ -156,7 +156,7 @@ def ttft_vs_rate(summary: pd.DataFrame, ax: Axes | None = None, *, slo_ms: float
                  by: str | None = "label") -> Axes:
     """p99 (solid) and p50 (dashed) time to first token against offered rate, log ms."""
     ax = get_ax(ax)
-    groups = _by_rate(summary, ["ttft_p50_ms", "ttft_p99_ms"], by)
+    groups = _by_rate(analysis.trusted(summary), ["ttft_p50_ms", "ttft_p99_ms"], by)
     if not groups:
         return empty(ax, "no TTFT percentiles per offered rate")
     colors = label_colors([label for label, _ in label_groups(summary, by)])
