@@ -1,6 +1,7 @@
 # Two commands do everything on a fresh machine with Python 3.11+:
 #   make compare   install, then run the main job (labserver compare on the embedded model)
 #   make test      install, then run every test (notebooks included)
+#   make notebooks re-execute the notebooks in full mode (NB=name.ipynb for one)
 # torch is installed first and exactly: on CPU machines torch==2.13.0 is a CPU wheel,
 # while a looser spec pulls several GB of CUDA packages.
 
@@ -9,7 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test compare quick lab clean
+.PHONY: install test compare quick lab notebooks clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +32,12 @@ quick: $(STAMP)
 
 lab: $(STAMP)
 	$(VENV)/bin/jupyter lab notebooks/
+
+# Re-execute notebooks in full mode, outputs saved in place: make notebooks [NB=07_generation.ipynb]
+notebooks: $(STAMP)
+	cd notebooks && for nb in $(or $(NB),*.ipynb); do \
+	  PATH="$(abspath $(VENV))/bin:$$PATH" MPLBACKEND=module://matplotlib_inline.backend_inline HF_HUB_OFFLINE=1 \
+	  jupyter execute --inplace --timeout=3600 --kernel_name=python3 $$nb || exit 1; done
 
 clean:
 	rm -rf $(VENV)
