@@ -2,8 +2,9 @@
 #   make compare   install, then run the main job (labserver compare on the embedded model)
 #   make test      install, then run every test (notebooks included)
 #   make notebooks re-execute the notebooks in full mode (NB=name.ipynb for one)
-# torch is installed first and exactly: on CPU machines torch==2.13.0 is a CPU wheel,
-# while a looser spec pulls several GB of CUDA packages.
+# torch is installed first and exactly (torch==2.13.0): from a local CPU wheel index it is the
+# CPU wheel; from the public PyPI index it is the default build, with several GB of CUDA
+# libraries, unless installed first from PyTorch's CPU index (README: "About PyTorch").
 
 PYTHON ?= python3
 VENV ?= .venv
