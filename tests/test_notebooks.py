@@ -61,8 +61,10 @@ def test_notebook_runs(path: Path) -> None:
 def test_lab_doctests() -> None:
     """labserver.lab serves the notebooks; its docstring examples are checked with them."""
     from labserver import lab
+    from labserver.lab import claims
 
     assert doctest.testmod(lab).failed == 0
+    assert doctest.testmod(claims).failed == 0
 
 
 def outputs_text(nb: nbformat.NotebookNode) -> list[str]:
