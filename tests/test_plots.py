@@ -168,6 +168,19 @@ def test_batch_size_hist_stacked_by_requests(ax, two_labels):
     assert sum(p.get_height() for p in ax.patches) == n_requests
 
 
+def test_batch_size_hist_share_puts_every_label_on_one_scale(ax, two_labels):
+    """One cumulative line per label from 0 to 1: many batches of one do not flatten the others."""
+    plots.batch_size_hist(two_labels, ax=ax, weight="share")
+    lines = [line for line in ax.lines if line.get_label() in ("batched", "single")]
+    assert [line.get_label() for line in lines] == ["batched", "single"]
+    for line in lines:
+        y = line.get_ydata()
+        assert y[0] == 0.0 and y[-1] == pytest.approx(1.0) and (np.diff(y) >= 0).all()
+    single = lines[1].get_ydata()
+    assert single[1] == pytest.approx(1.0)  # every "single" request rode a batch of one
+    assert ax.get_ylim()[1] <= 1.05
+
+
 def test_batch_size_hist_without_batch_data_says_so(ax):
     plots.batch_size_hist(foreign_run(), ax=ax)
     assert not ax.patches and "no batch sizes" in ax.texts[0].get_text()

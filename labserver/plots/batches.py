@@ -32,12 +32,13 @@ def batch_size_hist(
     stacked: bool = False,
 ) -> Axes:
     """How many batches (``weight="batches"``) or requests (``"requests"``) had each size,
-    or each label's share of its requests served in batches of each size (``"share"``).
+    or, with ``"share"``, each label's share of its requests served in batches up to each size.
 
     One bar per label and size, side by side (or ``stacked``), one bin per
-    integer size from 1 to the largest seen; each batch counts once. ``"share"`` puts
-    labels of very different batch counts on one scale: a rule that made 1,000 batches of
-    one does not flatten the histogram of one that made 40 batches of 25.
+    integer size from 1 to the largest seen; each batch counts once. ``"share"`` draws one
+    cumulative step line per label instead, all on the 0-1 scale: a rule that made 1,000
+    batches of one (a step at 1) does not flatten one that made 40 batches of 25, and the
+    median batch a request rode in is where a line crosses 0.5.
     """
     if weight not in ("batches", "requests", "share"):
         raise ValueError(f'weight must be "batches", "requests" or "share", got {weight!r}')
@@ -51,6 +52,20 @@ def batch_size_hist(
     if not counts:
         return empty(ax, "no batch sizes in these records")
     sizes = np.arange(1, max(int(c.index.max()) for _, c in counts) + 1)
+    if weight == "share":
+        for label, c in counts:
+            shares = np.cumsum(c.reindex(sizes, fill_value=0).to_numpy(dtype=float))
+            ax.step(np.r_[0, sizes], np.r_[0.0, shares], where="post", color=colors[label],
+                    label="_nolegend_" if label is None else str(label))
+        ax.axhline(0.5, color="0.6", linestyle=":", linewidth=1)
+        ax.set_ylim(0, 1.02)
+        ax.set_xlim(left=0)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("batch size (requests per model call)")
+        ax.set_ylabel("share of requests in batches up to this size")
+        ax.set_title("Batch sizes")
+        legend(ax, fontsize="small")
+        return ax
     width = 0.8 if stacked else 0.8 / len(counts)
     bottom = np.zeros(sizes.size)
     for n, (label, c) in enumerate(counts):
@@ -62,7 +77,7 @@ def batch_size_hist(
             bottom += heights
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("batch size (requests per model call)")
-    ax.set_ylabel("share of requests" if weight == "share" else weight)
+    ax.set_ylabel(weight)
     ax.set_title("Batch sizes")
     legend(ax, fontsize="small")
     return ax
