@@ -19,6 +19,11 @@ HEADER_BATCH_ID = "x-batch-id"  # server-wide batch counter, for timelines
 HEADER_DISPATCH = "x-dispatch-reason"  # why that batch left: full, deadline, idle, ...
 HEADER_SERVER_MS = "x-server-ms"  # the handler's start (before the body is read) to the response, ms
 HEADER_REPLICA = "x-replica"  # behind a router (labserver serve --replicas N): the replica that answered
+HEADER_REASON = "x-reason"  # on a 503 or 504: why it was refused or shed (queue-full, codel, deadline, expired, ...)
+# sent by a client: the request's priority class (lower is served first, as vLLM's "priority"; default 0)
+# and its tenant (fair shares are kept per tenant; default "")
+HEADER_PRIORITY = "x-priority"
+HEADER_TENANT = "x-tenant"
 
 SERVER_HEADERS = (
     HEADER_REQUEST_ID,
@@ -29,6 +34,7 @@ SERVER_HEADERS = (
     HEADER_DISPATCH,
     HEADER_SERVER_MS,
     HEADER_REPLICA,
+    HEADER_REASON,
 )
 
 # error "type" -> HTTP status it travels with
