@@ -27,30 +27,49 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..strategies import Strategy
-from .counters import Metric, count, gauge, metrics_of
+from .counters import Metric, count, gauge, metrics_of, tally
+from .line import Line
 from .runner import ModelThread, WorkerDied, settle
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Counters", "EngineBase", "Expired", "ItemQueue", "Overloaded", "ShuttingDown", "WorkerDied"]
+__all__ = ["Counters", "EngineBase", "Expired", "ItemQueue", "Overloaded", "Refusal", "ShuttingDown", "WorkerDied"]
 
 
-class Overloaded(Exception):
-    """The queue is at max_queue: reject now (503) rather than wait forever."""
+class Refusal(Exception):
+    """A request answered without being computed; ``reason`` travels in the ``x-reason`` header."""
+
+    reason = "refused"
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
 
 
-class Expired(Exception):
+class Overloaded(Refusal):
+    """Refused now (503) rather than answered late: the queue is full (``queue-full``), the discipline
+    shed it (``codel``), or its deadline cannot be met (``deadline``)."""
+
+    reason = "queue-full"
+
+
+class Expired(Refusal):
     """The request's deadline passed before it was computed (504)."""
 
+    reason = "expired"
 
-class ShuttingDown(Exception):
+
+class ShuttingDown(Refusal):
     """The server is stopping and this request was not (fully) computed (503)."""
+
+    reason = "shutting-down"
 
 
 class Waiter(Protocol):
@@ -61,56 +80,57 @@ class Waiter(Protocol):
 
 
 class ItemQueue:
-    """A FIFO with ``get(timeout_s)``: the one waiting primitive strategies use.
+    """The waiting line with ``get(timeout_s)``: the one waiting primitive strategies use.
 
-    Requests whose future is already done (client gone, timed out) are skipped and
-    counted (``on_skip``), never handed out. A rule that chooses among the waiting
-    (shortest first, by priority) reads ``waiting()`` and ``take``s the ones it picked.
+    Requests wait in a ``Line`` (one FIFO per priority class, the strategy's discipline
+    within it). Requests whose future is already done (client gone, timed out) are skipped
+    and counted (``on_skip``), never handed out; those the discipline sheds are answered
+    503 (``on_shed``). A rule that chooses among the waiting (shortest first, by tenant)
+    reads ``waiting()`` and ``take``s the ones it picked.
     """
 
-    def __init__(self, on_skip: Callable[[], None] = lambda: None) -> None:
-        self._items: deque[Any] = deque()
+    def __init__(self, on_skip: Callable[[], None] = lambda: None, discipline: Any = None,
+                 on_shed: Callable[[Any, str], None] = lambda item, why: None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.line = Line(discipline, on_shed, clock())
+        self.clock = clock
         self._waiter: asyncio.Future[bool] | None = None
         self._on_skip = on_skip  # a dead request dropped from the queue, never computed
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self.line)
 
     def put(self, items: list[Any]) -> None:
-        self._items.extend(items)
+        for item in items:
+            self.line.put(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(True)
 
     def empty(self) -> bool:
         self._prune()
-        return not self._items
+        return not len(self.line)
 
     def _prune(self) -> None:
-        while self._items and self._items[0].future.done():
-            self._items.popleft()
+        for _ in range(self.line.remove_if(lambda item: item.future.done())):
             self._on_skip()
+        self.line.shed(self.clock())
 
     def waiting(self) -> list[Any]:
-        """The live requests, in arrival order (the dead ones are dropped and counted)."""
-        if any(item.future.done() for item in self._items):
-            live = [item for item in self._items if not item.future.done()]
-            for _ in range(len(self._items) - len(live)):
-                self._on_skip()
-            self._items = deque(live)
-        return list(self._items)
+        """The live requests, the best class first, arrival order within one (the dead dropped and counted)."""
+        self._prune()
+        return list(self.line)
 
     def take(self, items: list[Any]) -> None:
         """Remove these (read from ``waiting()``) from the queue: they were admitted."""
-        chosen = {id(item) for item in items}
-        self._items = deque(item for item in self._items if id(item) not in chosen)
+        self.line.take(items)
+        self.line.mark(self.clock())
 
     def drain(self) -> list[Any]:
-        items, self._items = list(self._items), deque()
-        return items
+        return self.line.drain()
 
     def putback(self, item: Any) -> None:
-        """Return a request just taken to the head of the queue (it did not fit; it goes first next time)."""
-        self._items.appendleft(item)
+        """Return a request just taken to the head of its class (it did not fit; it goes first next time)."""
+        self.line.putback(item)
 
     async def get(self, timeout_s: float | None = None) -> Any:
         """The next live request; None if none arrived within timeout_s (None = wait forever)."""
@@ -118,8 +138,9 @@ class ItemQueue:
         end_s = None if timeout_s is None else loop.time() + timeout_s
         while True:
             self._prune()
-            if self._items:
-                return self._items.popleft()
+            item = self.line.pop(self.clock())
+            if item is not None:
+                return item
             remaining = None if end_s is None else end_s - loop.time()
             if remaining is not None and remaining <= 0:
                 return None
@@ -147,6 +168,8 @@ class Counters:
     skipped_client_gone: int = count("Requests dropped unrun: their client left while they were queued")
     items_failed: int = count("Items (generation: sequences) the model failed on")
     computed_after_deadline: int = count("Requests computed after their deadline: must stay 0")
+    shed: Counter[str] = tally("Requests shed from the queue by its discipline (503), by discipline", "reason")
+    refused_deadline: int = count("Requests refused at the door: their deadline could not be met (503)")
 
 
 class EngineBase:
@@ -162,7 +185,7 @@ class EngineBase:
         self.model = model
         self.clock = clock
         self.counters = counters
-        self.queue = queue if queue is not None else ItemQueue(self._skipped)
+        self.queue = queue if queue is not None else ItemQueue(self._skipped, strategy.discipline, self._shed, clock)
         self.in_flight: list[Any] = []  # requests in the model now: what drain waits for and a dying worker fails
         self.dead: BaseException | None = None  # why the worker stopped, if it did
         self.accepting = False
@@ -183,6 +206,13 @@ class EngineBase:
 
     def _skipped(self) -> None:
         self.counters.skipped_client_gone += 1
+
+    def _shed(self, item: Any, why: str) -> None:
+        """The discipline refused a waiting request: 503 now, with its reason."""
+        self.counters.shed[why] += 1
+        if not item.future.done():
+            item.future.set_exception(Overloaded(f"shed by the {why} queue discipline: it waited too long while "
+                                                 "a queue stood; retry later", why))
 
     @property
     def kind(self) -> str:
@@ -254,6 +284,16 @@ class EngineBase:
         if max_queue is not None and len(self.queue) + n > max_queue:
             self.counters.rejected_overload += n
             raise Overloaded(f"queue is full ({len(self.queue)} of {max_queue} waiting); retry later")
+        if self.limits.admit == "deadline":
+            wait_ms = self.expected_ms(n)
+            if wait_ms > self.limits.timeout_ms:  # (admit="deadline" needs timeout_ms: Limits checks)
+                self.counters.refused_deadline += n
+                raise Overloaded(f"expected to be answered in {wait_ms:.0f} ms, past timeout_ms="
+                                 f"{self.limits.timeout_ms:g}: refused now rather than answered late", "deadline")
+
+    def expected_ms(self, n: int) -> float:
+        """How long ``n`` more requests would take to be answered, from the work ahead of them (0: unknown)."""
+        return 0.0
 
     def deadline_s(self, now: float) -> float:
         timeout_ms = self.limits.timeout_ms

@@ -21,12 +21,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..strategies import Strategy
+from ..strategies import BatchCost, Strategy
 from .base import Counters, EngineBase, ShuttingDown
 from .counters import count, sizes, tally
 from .runner import ModelFn, WorkerDied, isolating_steps, let_loop_run, run_isolating, settle
 
-__all__ = ["BatchCounters", "BatchEngine", "BatchRecord", "Item"]
+__all__ = ["BatchCounters", "BatchEngine", "BatchRecord", "Item", "expected_wait_ms"]
+
+
+def expected_wait_ms(cost: Any, ahead: int, cap: float, busy_ms: float) -> float:
+    """Until the last of ``ahead`` waiting items is answered: what is left of the batch in the model,
+    then full batches of ``cap``, then the rest (0 while the cost is unknown).
+
+    >>> cost = BatchCost(); cost.add(1, 10.0); cost.add(4, 16.0)   # 8 ms + 2 ms per item
+    >>> expected_wait_ms(cost, 9, 4, busy_ms=5.0)  # 5 + 16 + 16 + 10
+    47.0
+    """
+    if not cost.points:
+        return 0.0
+    full, rest = divmod(ahead, int(cap)) if math.isfinite(cap) else (0, ahead)
+    return busy_ms + full * cost(int(cap) if math.isfinite(cap) else 0) + (cost(rest) if rest else 0.0)
 
 
 @dataclass
@@ -49,6 +63,8 @@ class Item:
     deadline_s: float = math.inf  # clock time after which it must not be computed, s
     request_id: str = ""
     batch: BatchRecord | None = None  # set when dispatched
+    priority: int = 0  # its class: a lower value is served first
+    tenant: str = ""
 
     @property
     def queue_ms(self) -> float:
@@ -73,14 +89,17 @@ class BatchEngine(EngineBase):
         self.counters: BatchCounters
         self.batches: deque[BatchRecord] = deque(maxlen=history)  # the most recent batches
         self._ids = itertools.count(1)
+        self.cost = BatchCost()  # model ms of a batch of n, fitted to the batches run: what admit="deadline" expects
+        self._busy_until_s = 0.0  # when the batch in the model is expected to be done
 
-    def submit(self, texts: list[str], request_id: str = "") -> list[Item]:
+    def submit(self, texts: list[str], request_id: str = "", *, priority: int = 0, tenant: str = "") -> list[Item]:
         """Queue one request's texts, all or nothing. Raises Overloaded/ShuttingDown/WorkerDied."""
         self.admit_or_refuse(len(texts))
         loop = asyncio.get_running_loop()
         now = self.clock()
         deadline = self.deadline_s(now)
-        items = [Item(t, loop.create_future(), now, deadline, request_id) for t in texts]
+        items = [Item(t, loop.create_future(), now, deadline, request_id, priority=priority, tenant=tenant)
+                 for t in texts]
         self.queue.put(items)
         return items
 
@@ -102,6 +121,7 @@ class BatchEngine(EngineBase):
             dispatched_s=now,
             queue_wait_ms=sum(now - i.enqueued_s for i in items) / len(items) * 1000,
         )
+        self._busy_until_s = now + self.cost(len(items)) / 1000
         for item in items:
             item.batch = record
             if item.deadline_s < now:  # live() (same clock reading) makes this impossible; count, don't assume
@@ -147,7 +167,14 @@ class BatchEngine(EngineBase):
         c.batch_size_histogram[record.size] += 1
         c.dispatch_reasons[record.reason] += 1
         self.batches.append(record)
+        self.cost.add(record.size, record.compute_ms)
         self.strategy.observe(record.size, record.compute_ms)
+
+    def expected_ms(self, n: int) -> float:
+        """The batch in the model, then everyone waiting and these ``n`` in full batches (first come, first
+        served), at the cost fitted so far: when ``n`` more texts would be answered, from now."""
+        return expected_wait_ms(self.cost, len(self.queue) + n, self.strategy.batch_cap,
+                                max(0.0, self._busy_until_s - self.clock()) * 1000 if self.in_flight else 0.0)
 
     def batch_log(self, last: int | None = None) -> list[dict[str, Any]]:
         batches = list(self.batches)[-last:] if last else list(self.batches)

@@ -57,7 +57,8 @@ class GenEngine(EngineBase):
                                 f"{need}, over the model's context of {self.model.max_context} tokens")
 
     def submit(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False, request_id: str = "",
-               sampling: Sampling | None = None, stop: Sequence[str] = (), min_tokens: int = 0) -> Seq:
+               sampling: Sampling | None = None, stop: Sequence[str] = (), min_tokens: int = 0, priority: int = 0,
+               tenant: str = "") -> Seq:
         """Queue one sequence. Raises InputRejected (too long), Overloaded, ShuttingDown or WorkerDied.
 
         ``sampling`` None is greedy; ``stop`` strings end it early ("stop"); EOS cannot end it
@@ -71,7 +72,7 @@ class GenEngine(EngineBase):
         seed = hash((tuple(prompt_ids), sampling.seed if sampling else None))  # its EOS stand-in: per request
         seq = Seq(next(self._sids), prompt_ids, max_new_tokens, asyncio.get_running_loop().create_future(), now,
                   self.deadline_s(now), ignore_eos, request_id, sampling, tuple(stop), min_tokens,
-                  eos_prob=self.limits.eos_prob, eos_seed=seed)
+                  eos_prob=self.limits.eos_prob, eos_seed=seed, priority=priority, tenant=tenant)
         self.queue.put([seq])
         return seq
 

@@ -66,6 +66,7 @@ class StepCounters(GenCounters):
     idle_tokens: int = count("Tokens computed for sequences already finished (static batching's padding)")
     step_size_histogram: Counter[int] = sizes("Sequences per decode step")
     preemptions: int = count("Sequences preempted for KV blocks (freed, requeued, recomputed)")
+    preempted_for_priority: int = count("Sequences preempted at admission for a higher priority class (recomputed)")
     recomputed_tokens: int = count("Tokens prefilled again after a preemption")
     prompt_tokens: int = count("Prompt tokens of admitted sequences (first admission)")
     cached_tokens: int = count("Of those, tokens whose KV the prefix cache held (not computed)")
@@ -84,9 +85,14 @@ class Plan:
 class Running:
     """The sequences admitted and not yet done, and the KV blocks they hold, as a rule sees them."""
 
-    def __init__(self, blocks: BlockManager) -> None:
+    def __init__(self, blocks: BlockManager, preempt: Callable[[Seq], None] = lambda seq: None) -> None:
         self.seqs: list[Seq] = []  # in admission order: the last one is the newest
         self.blocks = blocks
+        self._preempt = preempt
+
+    def preempt(self, seq: Seq) -> None:
+        """Out of the batch now, to make room for a newcomer of a higher class (the scheduling policy's call)."""
+        self._preempt(seq)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -133,7 +139,8 @@ class Scheduler:
         """``live`` drops the gone and answers the expired (the engine's door); ``emit`` hands a token over."""
         self.strategy, self.queue, self.blocks, self.counters = strategy, queue, blocks, counters
         self.clock, self.live, self.emit = clock, live, emit
-        self.running = Running(blocks)
+        self.running = Running(blocks, self._displace)
+        self._displaced: list[Seq] = []  # preempted at admission for a higher class: shown on the next call
         self.released: list[int] = []  # sequences whose KV the model may drop, until the engine tells it
         self.steps: deque[StepRecord] = deque(maxlen=history)
         self._calls: Iterator[Call] = iter(())  # the step under way: the rest of its calls
@@ -146,6 +153,7 @@ class Scheduler:
             preempted = self._make_room(work)
             work = [(s, n) for s, n in work if s not in preempted]
             if work:
+                preempted, self._displaced = self._displaced + preempted, []
                 return Plan(kind, work, [self._chunk(s, n) for s, n in work], preempted)
             self._retire()
         return None
@@ -196,15 +204,25 @@ class Scheduler:
         for seq, n in work:
             while seq not in preempted and not self.blocks.grow(seq.sid, seq.computed + n):
                 victim = self.strategy.victim(self.running)
-                self.running.seqs.remove(victim)
-                self.blocks.release(victim.sid)
-                self.released.append(victim.sid)
-                victim.computed, victim.seen = 0, False
-                victim.preemptions += 1
+                self._requeue(victim)
                 self.counters.preemptions += 1
-                self.queue.putback(victim)  # several in one step: the oldest ends up first in line
                 preempted.append(victim)
         return preempted
+
+    def _displace(self, victim: Seq) -> None:
+        """A newcomer of a higher class takes a running sequence's place (``Running.preempt``)."""
+        self._requeue(victim)
+        self.counters.preempted_for_priority += 1
+        self._displaced.append(victim)
+
+    def _requeue(self, victim: Seq) -> None:
+        """Blocks released, back to the head of the queue (of its class), recomputed when admitted again."""
+        self.running.seqs.remove(victim)
+        self.blocks.release(victim.sid)
+        self.released.append(victim.sid)
+        victim.computed, victim.seen = 0, False
+        victim.preemptions += 1
+        self.queue.putback(victim)  # several in one step: the oldest ends up first in line
 
     def _chunk(self, seq: Seq, n: int) -> Chunk:
         """The next ``n`` of its pending tokens (a finished sequence: its last position, computed again)."""
@@ -240,7 +258,9 @@ class Scheduler:
                     seq.step_batch_sum += len(plan.work)
                 self.emit(seq, out, end_s)
                 c.tokens_generated += 1
+            self.strategy.scheduling.served(seq, 0 if seq.sid in decoding else n, 1 if seq.sid in decoding else 0)
         if plan.kind != "prefill":
+            self.strategy.scheduling.observe_step(len(plan.work), (end_s - start_s) * 1000)
             c.decode_steps += 1
             c.step_size_histogram[len(decoding) + len(idle)] += 1
             c.idle_tokens += len(idle)

@@ -52,6 +52,8 @@ class Seq:
     steps: int = 0  # decode steps it took part in while generating
     step_batch_sum: int = 0  # sum of those steps' sizes (for its mean batch)
     replica: str = ""  # behind a router: the replica generating it (known by its first token)
+    priority: int = 0  # its class: a lower value is served first (and may displace a higher one: scheduling)
+    tenant: str = ""  # whose request: fair shares are kept per tenant
     _wake: asyncio.Future[None] | None = field(default=None, repr=False)
 
     @property

@@ -22,13 +22,15 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..models.synthetic import SyntheticGen
-from ..strategies import Strategy
-from .batch import BatchRecord, Item
+from ..strategies import BatchCost, Limits, Strategy
+from ..strategies.overload import Discipline
+from .batch import BatchRecord, Item, expected_wait_ms
+from .line import Line
 from .step import Seq, StepEngine
 
 
@@ -43,74 +45,163 @@ class _NeverDone:
         return False
 
 
-class VirtualQueue:
-    """Scripted arrivals; ``get`` advances the virtual clock instead of sleeping."""
+@dataclass
+class Outcome:
+    """What became of one arrival on the virtual clock."""
 
-    def __init__(self, arrivals_s: Iterable[float]) -> None:
+    arrival_s: float
+    priority: int = 0
+    status: int = 200  # 200 answered, 503 refused at the door or shed, 504 deadline passed while queued
+    reason: str = ""  # for 503/504: queue-full, deadline, codel, expired
+    done_s: float = math.nan  # answered, refused or expired at this virtual time
+    left_s: float = math.nan  # it left the queue: dispatched to the model, refused, shed or expired
+
+    @property
+    def latency_ms(self) -> float:
+        return (self.done_s - self.arrival_s) * 1000
+
+
+class VirtualQueue:
+    """Scripted arrivals; ``get`` advances the virtual clock instead of sleeping.
+
+    The waiting wait in the engine's own ``Line`` (priority classes, the strategy's discipline
+    and its sheds); with ``limits``, the engine's door applies too: ``max_queue`` and
+    ``admit="deadline"`` refuse at arrival (503), and a request whose ``timeout_ms`` passes
+    while it waits leaves at that moment (504). Every arrival's fate is in ``outcomes``.
+    """
+
+    def __init__(self, arrivals_s: Iterable[float], *, classes: Sequence[int] | None = None,
+                 limits: Limits | None = None, discipline: Discipline | None = None, batch_cap: float = math.inf) -> None:
         self.now_s = 0.0
         self._future: Any = _NeverDone()
-        self._pending = sorted(arrivals_s)  # a heap: closed loops add arrivals as they go
-        self._queued: deque[Item] = deque()
+        times = sorted(arrivals_s)
+        self._pending = [(t, k) for k, t in enumerate(times)]  # a heap: closed loops add arrivals as they go
+        self._classes = list(classes) if classes is not None else []
+        self.limits = limits
+        self.line = Line(discipline, self._shed)
+        self.outcomes: list[Outcome] = []
+        self.cost = BatchCost()  # what admit="deadline" expects a batch to cost, fitted as the engine fits it
+        self.busy_until_s = 0.0  # the batch in the model is expected to be done then
+        self.batch_cap = batch_cap  # the most one batch carries (the strategy's)
         self._n = 0
 
     def __len__(self) -> int:
-        return len(self._queued)
+        return len(self.line)
 
     def clock(self) -> float:
         return self.now_s
 
+    def _shed(self, item: Item, why: str) -> None:
+        self._refuse(self.outcomes[int(item.request_id)], 503, why, self.now_s)
+
+    def _refuse(self, outcome: Outcome, status: int, reason: str, at_s: float) -> None:
+        outcome.status, outcome.reason, outcome.done_s = status, reason, at_s
+        if math.isnan(outcome.left_s):
+            outcome.left_s = at_s
+
+    def _door(self, item: Item, outcome: Outcome) -> bool:
+        """The engine's ``admit_or_refuse`` at the item's arrival time."""
+        lim = self.limits
+        if lim is None:
+            return True
+        t = item.enqueued_s
+        if lim.max_queue is not None and len(self.line) + 1 > lim.max_queue:
+            self._refuse(outcome, 503, "queue-full", t)
+            return False
+        if lim.admit == "deadline" and lim.timeout_ms is not None:
+            busy_ms = max(0.0, self.busy_until_s - t) * 1000
+            if expected_wait_ms(self.cost, len(self.line) + 1, self.batch_cap, busy_ms) > lim.timeout_ms:
+                self._refuse(outcome, 503, "deadline", t)
+                return False
+        return True
+
+    def _expire(self, until_s: float) -> None:
+        """Requests whose deadline passed by ``until_s`` leave the line then: the client's 504."""
+        expired: list[Item] = []
+        self.line.remove_if(lambda item: item.deadline_s <= until_s and not expired.append(item))
+        for item in expired:
+            self._refuse(self.outcomes[int(item.request_id)], 504, "expired", item.deadline_s)
+
     def _admit(self) -> None:
-        while self._pending and self._pending[0] <= self.now_s:
-            t = heapq.heappop(self._pending)
-            self._queued.append(Item(f"#{self._n}", self._future, enqueued_s=t))
+        while self._pending and self._pending[0][0] <= self.now_s:
+            t, k = heapq.heappop(self._pending)
+            self._expire(t)
+            priority = self._classes[k] if k < len(self._classes) else 0
+            timeout_ms = self.limits.timeout_ms if self.limits is not None else None
+            item = Item(f"#{self._n}", self._future, enqueued_s=t, request_id=str(len(self.outcomes)),
+                        deadline_s=t + timeout_ms / 1000 if timeout_ms is not None else math.inf, priority=priority)
+            outcome = Outcome(t, priority)
+            self.outcomes.append(outcome)
             self._n += 1
+            if self._door(item, outcome):
+                self.line.put(item)
+        self._expire(self.now_s)
 
     def add(self, t_s: float) -> None:
         """One more arrival at virtual time t_s (a closed-loop client coming back)."""
-        heapq.heappush(self._pending, t_s)
+        heapq.heappush(self._pending, (t_s, len(self.outcomes) + len(self._pending)))
 
     def empty(self) -> bool:
         self._admit()
-        return not self._queued
+        return not len(self.line)
 
     def waiting(self) -> list[Any]:
         self._admit()
-        return list(self._queued)
+        return list(self.line)
 
     def take(self, items: list[Any]) -> None:
-        chosen = {id(item) for item in items}
-        self._queued = deque(item for item in self._queued if id(item) not in chosen)
+        self.line.take(items)
+
+    def putback(self, item: Any) -> None:
+        self.line.putback(item)
 
     async def get(self, timeout_s: float | None = None) -> Item | None:
-        self._admit()
-        if self._queued:
-            return self._queued.popleft()
-        next_s = self._pending[0] if self._pending else math.inf
-        if timeout_s is None and next_s == math.inf:
-            raise EndOfArrivals
-        if timeout_s is None or next_s <= self.now_s + timeout_s:
-            self.now_s = next_s
+        end_s = math.inf if timeout_s is None else self.now_s + max(timeout_s, 0.0)
+        while True:
             self._admit()
-            return self._queued.popleft()
-        self.now_s += max(timeout_s, 0.0)
-        return None
+            item = self.line.pop(self.now_s)
+            if item is not None:
+                return item
+            next_s = self._pending[0][0] if self._pending else math.inf
+            if next_s == math.inf and end_s == math.inf:
+                raise EndOfArrivals
+            if next_s > end_s:
+                self.now_s = end_s
+                self._admit()
+                return None
+            self.now_s = next_s  # (an arrival refused at the door wakes nobody: wait on)
 
 
 @dataclass
 class SimRun:
     batches: list[BatchRecord] = field(default_factory=list)
-    latencies_ms: list[float] = field(default_factory=list)  # arrival -> batch done, per item
+    latencies_ms: list[float] = field(default_factory=list)  # arrival -> batch done, per item answered
+    outcomes: list[Outcome] = field(default_factory=list)  # every arrival: answered, refused, shed or expired
 
     @property
     def sizes(self) -> list[int]:
         return [b.size for b in self.batches]
 
+    def frame(self) -> Any:
+        """Every arrival as a row: arrival_s, priority, status, reason, done_s, left_s, latency_ms."""
+        import pandas as pd
+
+        return pd.DataFrame([{**vars(o), "latency_ms": o.latency_ms} for o in self.outcomes])
+
 
 def simulate(
-    strategy: Strategy, arrivals_s: Iterable[float], service_ms: Callable[[int], float]
+    strategy: Strategy, arrivals_s: Iterable[float], service_ms: Callable[[int], float], *,
+    classes: Sequence[int] | None = None,
 ) -> SimRun:
-    """Every batch the strategy would form for these arrivals, on one worker."""
-    return _run(strategy, VirtualQueue(arrivals_s), service_ms, lambda q, end_s, n: None, math.inf)
+    """Every batch the strategy would form for these arrivals, on one worker.
+
+    The strategy's ``Limits`` apply as in the engine: its queue discipline and priority
+    classes (``classes``: each arrival's priority, in time order), ``max_queue``,
+    ``timeout_ms`` (504 once passed while waiting) and ``admit="deadline"``.
+    """
+    q = VirtualQueue(arrivals_s, classes=classes, limits=strategy.limits, discipline=strategy.discipline,
+                     batch_cap=strategy.batch_cap)
+    return _run(strategy, q, service_ms, lambda q, end_s, n: None, math.inf)
 
 
 def simulate_closed(
@@ -132,26 +223,39 @@ def simulate_closed(
         for k in range(n):
             q.add(end_s + (rtt_ms + k * reply_ms) / 1000)
 
-    return _run(strategy, VirtualQueue([0.0] * users), service_ms, answered, duration_s)
+    q = VirtualQueue([0.0] * users, limits=strategy.limits, discipline=strategy.discipline,
+                     batch_cap=strategy.batch_cap)
+    return _run(strategy, q, service_ms, answered, duration_s)
 
 
 def _run(strategy: Strategy, q: VirtualQueue, service_ms: Callable[[int], float],
          answered: Callable[[VirtualQueue, float, int], None], duration_s: float) -> SimRun:
     async def main() -> SimRun:
-        run = SimRun()
+        run = SimRun(outcomes=q.outcomes)  # (the same list: filled as they go)
         while q.now_s < duration_s:
             try:
                 items, reason = await strategy.collect(q, q.clock)
             except EndOfArrivals:
                 return run
             start = q.now_s
+            items = [i for i in items if i.deadline_s >= start]  # (the line lets none past its deadline through)
+            if not items:
+                continue
             cost = service_ms(len(items))
+            q.busy_until_s = start + q.cost(len(items)) / 1000  # the engine's expectation, before it learns this one
             q.now_s += cost / 1000
             waits = [start - i.enqueued_s for i in items]
             run.batches.append(
                 BatchRecord(len(run.batches) + 1, len(items), reason, start, sum(waits) / len(waits) * 1000, cost)
             )
             run.latencies_ms.extend((q.now_s - i.enqueued_s) * 1000 for i in items)
+            for i in items:
+                if i.request_id:  # answered past its deadline: its client had a 504 at the deadline
+                    outcome = q.outcomes[int(i.request_id)]
+                    outcome.done_s, outcome.left_s = q.now_s, start
+                    if q.now_s > i.deadline_s:
+                        q._refuse(outcome, 504, "expired", i.deadline_s)
+            q.cost.add(len(items), cost)
             strategy.observe(len(items), cost)
             answered(q, q.now_s, len(items))
         return run
@@ -196,16 +300,19 @@ class _VirtualFuture:
 
 
 class GenVirtualQueue(VirtualQueue):
-    """Scripted generation requests: (arrival_s, prompt_tokens, max_new_tokens[, shared_prefix_tokens]) each.
+    """Scripted generation requests: (arrival_s, prompt_tokens, max_new_tokens[, shared_prefix_tokens
+    [, priority[, tenant]]]) each.
 
     Every prompt has its own tokens, except that the first ``shared_prefix_tokens`` of those
-    that give it are the same for all of them (what a prefix cache can share).
+    that give it are the same for all of them (what a prefix cache can share). ``priority``
+    (lower first) and ``tenant`` are what the ``x-priority`` and ``x-tenant`` headers carry.
     """
 
-    def __init__(self, requests: Iterable[tuple[float, ...]], eos_prob: float = 0.0) -> None:
-        requests = sorted(requests)
+    def __init__(self, requests: Iterable[tuple[Any, ...]], eos_prob: float = 0.0) -> None:
+        requests = sorted(requests, key=lambda r: r[0])
         super().__init__([r[0] for r in requests])
-        self._shapes = deque((int(r[1]), int(r[2]), int(r[3]) if len(r) > 3 else 0) for r in requests)
+        self._shapes = deque((int(r[1]), int(r[2]), int(r[3]) if len(r) > 3 else 0, int(r[4]) if len(r) > 4 else 0,
+                              str(r[5]) if len(r) > 5 else "") for r in requests)
         self.eos_prob = eos_prob
         self.seqs: list[Any] = []  # every sequence created, in arrival order
 
@@ -214,18 +321,16 @@ class GenVirtualQueue(VirtualQueue):
         self.now_s += seconds
 
     def _admit(self) -> None:
-        while self._pending and self._pending[0] <= self.now_s:
-            t = heapq.heappop(self._pending)
-            prompt, new, shared = self._shapes.popleft()
+        while self._pending and self._pending[0][0] <= self.now_s:
+            t, _ = heapq.heappop(self._pending)
+            prompt, new, shared, priority, tenant = self._shapes.popleft()
             sid = len(self.seqs) + 1
             ids = [1 + i for i in range(min(shared, prompt))]
             ids += [1 + (sid * 100_003 + i) % 49_999 for i in range(prompt - len(ids))]  # its own words
-            seq = Seq(sid, ids, new, _VirtualFuture(self.clock), enqueued_s=t, eos_prob=self.eos_prob, eos_seed=sid)
+            seq = Seq(sid, ids, new, _VirtualFuture(self.clock), enqueued_s=t, eos_prob=self.eos_prob, eos_seed=sid,
+                      priority=priority, tenant=tenant)
             self.seqs.append(seq)
-            self._queued.append(seq)
-
-    def putback(self, item: Any) -> None:
-        self._queued.appendleft(item)
+            self.line.put(seq)
 
 
 @dataclass

@@ -90,7 +90,8 @@ class ReplicaServer:
             sampling = Sampling(**job["sampling"]) if job.get("sampling") else None
             seq = engine.submit(job["prompt_ids"], job["max_new_tokens"], ignore_eos=job["ignore_eos"],
                                 request_id=job["request_id"], sampling=sampling, stop=tuple(job["stop"]),
-                                min_tokens=job["min_tokens"])
+                                min_tokens=job["min_tokens"], priority=job.get("priority", 0),
+                                tenant=job.get("tenant", ""))
         except Exception as e:
             kind, message, _ = describe(e)
             yield {"error": {"type": kind, "message": message}}

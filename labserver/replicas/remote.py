@@ -50,7 +50,7 @@ def job_of(seq: Seq) -> dict[str, Any]:
     s = seq.sampling
     return {"prompt_ids": seq.prompt_ids, "max_new_tokens": seq.max_new_tokens, "ignore_eos": seq.ignore_eos,
             "request_id": seq.request_id, "stop": list(seq.stop), "min_tokens": seq.min_tokens,
-            "sampling": None if s is None else vars(s).copy(),
+            "sampling": None if s is None else vars(s).copy(), "priority": seq.priority, "tenant": seq.tenant,
             "prompt": " ".join(map(str, seq.prompt_ids))}  # what a router keys on: the prompt's tokens
 
 

@@ -19,7 +19,8 @@ from starlette.responses import Response
 from .. import wire
 from ..engine import BatchEngine, Item
 from ..models import InputRejected
-from .handling import ClientError, ClientWatch, FastJSON, answer, check_text, deadline_end_s, decode_text, parse_json
+from .handling import (ClientError, ClientWatch, FastJSON, answer, check_text, deadline_end_s, decode_text, parse_json,
+                       request_class)
 from .runtime import Runtime
 
 __all__ = ["parse_inputs", "post_predict", "post_root"]
@@ -62,9 +63,13 @@ def encoder_engine(rt: Runtime, other_route: str) -> BatchEngine:
     return cast(BatchEngine, rt.engine)
 
 
-async def infer(rt: Runtime, request: Request, texts: list[str], rid: str, t0: float) -> tuple[list[Any], Item]:
-    """Queue the texts and wait for all of them, the client, or the deadline, whichever first."""
-    items = encoder_engine(rt, f'{wire.GENERATE_PATH} with JSON {{"prompt": "..."}}').submit(texts, rid)
+async def infer(rt: Runtime, request: Request, texts: list[str], rid: str, t0: float,
+                priority: Any = None) -> tuple[list[Any], Item]:
+    """Queue the texts (in the request's class: ``priority``, else its ``x-priority`` header) and wait for
+    all of them, the client, or the deadline, whichever first."""
+    level, tenant = request_class(request, priority)
+    items = encoder_engine(rt, f'{wire.GENERATE_PATH} with JSON {{"prompt": "..."}}').submit(
+        texts, rid, priority=level, tenant=tenant)
     futures = {i.future for i in items}
     timeout_ms = rt.config.limits.timeout_ms
     why = f"not served within timeout_ms={timeout_ms:g}" if timeout_ms is not None else ""

@@ -28,7 +28,8 @@ from starlette.responses import Response, StreamingResponse
 from .. import wire
 from ..engine import GenEngine, Seq
 from ..models import GenModel
-from .handling import ClientError, ClientWatch, FastJSON, answer, check_text, deadline_end_s, error_body, parse_json
+from .handling import (ClientError, ClientWatch, FastJSON, answer, check_text, deadline_end_s, error_body, parse_json,
+                       request_class)
 from .runtime import Runtime
 from .streaming import write_stream
 
@@ -162,7 +163,9 @@ async def _generate(rt: Runtime, request: Request, body: bytes, rid: str, t0: fl
                                    "(labserver serve --strategy gen-continuous --model gpt2-random)")
     params = parse_generate(body, rt.config.max_new_tokens, rt.config.max_chars)
     prompt_ids = rt.model.encode(params.prompt)  # type: ignore[union-attr]  # InputRejected: 400
-    seq = engine.submit(prompt_ids, params.max_new_tokens, ignore_eos=params.ignore_eos, request_id=rid)
+    priority, tenant = request_class(request)
+    seq = engine.submit(prompt_ids, params.max_new_tokens, ignore_eos=params.ignore_eos, request_id=rid,
+                        priority=priority, tenant=tenant)
     await wait_first_token(rt, request, seq, t0)
     headers = {wire.HEADER_REQUEST_ID: rid, wire.HEADER_QUEUE_MS: f"{(seq.admitted_s - seq.enqueued_s) * 1000:.3f}"}
     if seq.replica:

@@ -36,7 +36,8 @@ from .runtime import Runtime
 logger = logging.getLogger(__name__)
 
 __all__ = ["ClientError", "ClientGone", "ClientWatch", "FastJSON", "answer", "check_text", "client_gone",
-           "decode_text", "describe", "error_body", "error_response", "parse_json", "read_body"]
+           "decode_text", "describe", "error_body", "error_response", "parse_json", "read_body", "refusal_headers",
+           "request_class"]
 
 
 class ClientError(Exception):
@@ -108,8 +109,17 @@ Work = Callable[[Runtime, Request, bytes, str, float], Awaitable[Response]]
 Failure = Callable[[Runtime, str, str, str, BaseException, bool], Response]
 
 
+def refusal_headers(exc: BaseException, retry: bool) -> dict[str, str]:
+    """Retry-After on what may succeed later; ``x-reason`` on a refusal (queue-full, codel, deadline, expired)."""
+    headers = {"retry-after": "1"} if retry else {}
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, str):
+        headers[wire.HEADER_REASON] = reason
+    return headers
+
+
 def native_failure(rt: Runtime, kind: str, message: str, rid: str, exc: BaseException, retry: bool) -> Response:
-    return error_response(rt, kind, message, rid, exc=exc, headers={"retry-after": "1"} if retry else None)
+    return error_response(rt, kind, message, rid, exc=exc, headers=refusal_headers(exc, retry))
 
 
 async def answer(request: Request, work: Work, failure: Failure = native_failure) -> Response:
@@ -152,6 +162,32 @@ class FastJSON(Response):
 
     def render(self, content: Any) -> bytes:
         return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+# -- who is asking: a priority class and a tenant --------------------------------------------
+
+MAX_TENANT_CHARS = 64
+
+
+def request_class(request: Request, priority: Any = None) -> tuple[int, str]:
+    """(priority, tenant) of a request: ``priority`` from the body when a route takes one (the /v1
+    routes, as vLLM), else the ``x-priority`` header; the tenant from ``x-tenant``. A lower priority
+    is served first; 0 and "" when absent."""
+    if priority is None:
+        raw = request.headers.get(wire.HEADER_PRIORITY)
+        if raw is not None:
+            try:
+                priority = int(raw.strip())
+            except ValueError:
+                raise ClientError("bad_request", f"{wire.HEADER_PRIORITY} must be an integer (lower is served "
+                                                 f"first), got {raw[:20]!r}") from None
+    elif isinstance(priority, bool) or not isinstance(priority, int):
+        raise ClientError("bad_request", f'"priority" must be an integer, got {type(priority).__name__}', "priority")
+    tenant = request.headers.get(wire.HEADER_TENANT, "")
+    if len(tenant) > MAX_TENANT_CHARS or not tenant.isprintable():
+        raise ClientError("bad_request", f"{wire.HEADER_TENANT} must be printable, at most {MAX_TENANT_CHARS} "
+                                         "characters")
+    return int(priority or 0), tenant
 
 
 # -- waiting: for the answer, the client, or the deadline ------------------------------------

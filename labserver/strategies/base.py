@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from .overload import make_discipline
+
 __all__ = ["STRATEGIES", "Admission", "Batch", "Clock", "Limits", "Queue", "Strategy", "describe", "make_strategy",
            "register", "strategy_names"]
 
@@ -53,6 +55,14 @@ class Limits:
     max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps under prefill="budget"
     max_step_tokens: int = 256  # tokens one step computes under prefill="chunked": a decode's 1 each, then prompts
     eos_prob: float = 0.0  # a stand-in for a trained model's EOS: each token ends its answer with this probability
+    # under overload (labserver.strategies.overload): who goes first, who is refused
+    queue: str = "fifo"  # queue discipline within a priority class: fifo, lifo, adaptive-lifo, codel
+    codel_target_ms: float = 5.0  # codel: while a queue stands, shed whoever waited longer than this
+    codel_interval_ms: float = 100.0  # a queue "stands" when it has not been empty for this long
+    admit: str = "all"  # "deadline": refuse at once a request whose timeout_ms cannot be met (503)
+    scheduling: str = "fcfs"  # generation: fcfs, priority (preempts a lower class), fair (per tenant), slo
+    ttft_targets_ms: dict[int, float] | None = None  # slo: time-to-first-token target per priority class
+    tpot_targets_ms: dict[int, float] | None = None  # slo: time-per-output-token target per priority class
 
     def __post_init__(self) -> None:
         for name, ok, rule in (
@@ -70,6 +80,11 @@ class Limits:
                                                              or self.max_step_tokens > (self.max_batch_size or 0)),
              ">= 1, and under prefill='chunked' more than max_batch_size (every decode takes one)"),
             ("eos_prob", 0 <= self.eos_prob < 1, "in [0, 1)"),
+            ("codel_target_ms", self.codel_target_ms > 0, "> 0"),
+            ("codel_interval_ms", self.codel_interval_ms > 0, "> 0"),
+            ("admit", self.admit in ("all", "deadline"), "'all' or 'deadline'"),
+            ("admit", self.admit == "all" or self.timeout_ms is not None, "'all' unless timeout_ms is set "
+                                                                          "(the deadline it keeps)"),
         ):
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
@@ -122,6 +137,12 @@ class Strategy:
 
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
+        self.discipline = make_discipline(self.limits)  # who the queue hands out next, and who it sheds
+
+    @property
+    def batch_cap(self) -> float:
+        """The most items one of its batches holds (what ``admit="deadline"`` expects a batch to carry)."""
+        return self.limits.cap
 
     async def collect(self, queue: Queue, clock: Clock) -> Batch:
         raise NotImplementedError

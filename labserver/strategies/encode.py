@@ -20,6 +20,7 @@ class Naive(Strategy):
     """The guide's first server: one request at a time, model on the event loop."""
 
     name = "naive"
+    batch_cap = 1  # one request at a time, whatever max_batch_size says
 
     async def collect(self, queue: Queue, clock: Clock) -> Batch:
         return [await queue.get()], "single"  # get() without a timeout only returns an item

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol
 
 from .base import Admission, Clock, Limits, Queue, Strategy, register
+from .overload import make_scheduling
 
 __all__ = ["Call", "GenContinuous", "GenHFContinuous", "GenNaive", "GenPaged", "GenStatic", "GenStrategy", "Running"]
 
@@ -49,6 +50,8 @@ class Running(Protocol):
 
     def blocks_needed(self, seqs: list[Any]) -> int: ...  # blocks these would take now (prompt, next token)
 
+    def preempt(self, seq: Any) -> None: ...  # out of the batch, blocks back, to the head of its queue class
+
 
 # -- generation: who joins the running batch at this step boundary? -------------------------
 
@@ -73,17 +76,25 @@ class GenStrategy(Strategy):
         if self.limits.prefill not in self.prefills:
             raise ValueError(f"prefill={self.limits.prefill!r} needs a strategy that joins at every step "
                              f"(gen-continuous, gen-paged), not {self.name}")
+        if self.limits.queue not in ("fifo", "codel"):
+            raise ValueError(f"queue={self.limits.queue!r} is an encoder discipline; generation orders its waiting "
+                             "by scheduling= (fcfs, priority, fair, slo)")
+        self.scheduling = make_scheduling(self.limits)  # the order of the waiting, who may be displaced
+        self.now = 0.0  # the clock at the last admission (the scheduling policy's now)
 
     async def admit(self, queue: Queue, running: Running, clock: Clock) -> Admission:
         raise NotImplementedError
 
     def order(self, waiting: list[Any]) -> list[Any]:
-        """The order in which the waiting are considered for admission: first come, first served."""
-        return waiting
+        """The order in which the waiting are considered for admission: the scheduling policy's
+        (``fcfs``: priority classes, then first come, first served)."""
+        return self.scheduling.arrange(waiting, self.running_now, self.now)
+
+    running_now: tuple[Any, ...] = ()  # the running, as of the last admission (what ``order`` may weigh)
 
     def fits(self, seq: Any, running: Running, joining: list[Any]) -> bool:
         """Reservation: blocks for its prompt and all it may generate, held from admission to its end."""
-        if len(running) + len(joining) >= self.limits.cap:
+        if len(running) + len(joining) >= self.limits.cap or not self.scheduling.fits(seq, list(running), joining):
             return False
         wanted = sum(running.blocks_for(s.reserve) for s in (*joining, seq))
         return running.reserved_blocks + wanted <= running.total_blocks
@@ -176,9 +187,14 @@ class GenContinuous(GenStrategy):
         budget = self.limits.max_prefill_tokens if self.limits.prefill == "budget" else math.inf
         joining: list[Any] = []
         prompt_tokens = 0
+        self.now, self.running_now = clock(), tuple(running)
         for seq in self.order(queue.waiting()):
             over_budget = joining and prompt_tokens + len(seq.prompt_ids) > budget
-            if over_budget or not self.fits(seq, running, joining):
+            if over_budget:
+                break
+            while not self.fits(seq, running, joining) and (victim := self.scheduling.displace(seq, list(running))):
+                running.preempt(victim)  # a lower class makes room (recomputed later)
+            if not self.fits(seq, running, joining):
                 break  # it stays first in line: nobody overtakes it
             joining.append(seq)
             prompt_tokens += len(seq.prompt_ids)
@@ -218,7 +234,7 @@ class GenPaged(GenContinuous):
         """Paging: the blocks its prompt needs now, and a spare block for every other running sequence
         (each wants one within ``kv_block_tokens`` steps: without the spare, the newcomer would be
         the first preempted, at once, over and over)."""
-        if len(running) + len(joining) >= self.limits.cap:
+        if len(running) + len(joining) >= self.limits.cap or not self.scheduling.fits(seq, list(running), joining):
             return False
         return running.blocks_needed([*joining, seq]) + len(running) + len(joining) <= running.free_blocks
 

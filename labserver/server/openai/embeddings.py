@@ -31,7 +31,7 @@ from .errors import openai_failure
 
 __all__ = ["post_embeddings"]
 
-_USED = {"input", "model", "encoding_format", "dimensions", "user"}
+_USED = {"input", "model", "encoding_format", "dimensions", "user", "priority"}
 
 
 def _inputs(doc: Any, max_inputs: int) -> list[str]:
@@ -77,7 +77,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float)
                           "encoding_format")
     texts = _inputs(doc, rt.config.max_inputs)
     check_texts(rt, texts, '"input"')
-    outputs, last = await infer(rt, request, texts, rid, t0)
+    outputs, last = await infer(rt, request, texts, rid, t0, doc.get("priority"))
     if not all(isinstance(o, dict) and "embedding" in o for o in outputs):
         raise ClientError("bad_request", f"the model {served_name(rt)!r} does not produce embeddings; serve "
                                          "minilm (the embedded default) for /v1/embeddings", "model")

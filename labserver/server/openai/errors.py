@@ -16,6 +16,7 @@ from typing import Any
 from starlette.responses import JSONResponse, Response
 
 from ... import wire
+from ..handling import refusal_headers
 from ..runtime import Runtime
 
 __all__ = ["MODEL_NOT_FOUND", "openai_error", "openai_error_body", "openai_failure"]
@@ -48,4 +49,4 @@ def openai_failure(rt: Runtime, kind: str, message: str, rid: str, exc: BaseExce
     """``handling.answer``'s failure hook for the /v1 routes."""
     param = getattr(exc, "param", None)
     code = MODEL_NOT_FOUND if kind == "not_found" and param == "model" else None
-    return openai_error(rt, kind, message, rid, param=param, code=code, retry=retry)
+    return openai_error(rt, kind, message, rid, param=param, code=code, headers=refusal_headers(exc, retry))

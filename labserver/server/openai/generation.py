@@ -31,7 +31,7 @@ from ... import wire
 from ...engine import Seq
 from ...models import GenModel
 from ..generate import generation_engine, wait_all, wait_first_token
-from ..handling import FastJSON, answer
+from ..handling import FastJSON, answer, request_class
 from ..runtime import Runtime
 from ..streaming import write_stream
 from .catalog import check_model, served_name
@@ -105,6 +105,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
                         max_prompts=cfg.max_inputs, template=chat_template(model) if chat else None)
     check_model(rt, req.model)
     prompts = [model.encode(p) for p in req.prompts]  # InputRejected: 400
+    priority, tenant = request_class(request, req.priority)
     seqs: list[Seq] = []
     try:
         for ids in prompts:
@@ -112,7 +113,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
             default = COMPLETION_DEFAULT_MAX_TOKENS if not chat else room
             limit = req.max_tokens or min(default, room, cfg.max_new_tokens)
             seqs.append(engine.submit(ids, limit, ignore_eos=req.ignore_eos, request_id=rid, sampling=req.sampling,
-                                      stop=req.stop, min_tokens=req.min_tokens))
+                                      stop=req.stop, min_tokens=req.min_tokens, priority=priority, tenant=tenant))
         for seq in seqs:
             await wait_first_token(rt, request, seq, t0)
     except BaseException:

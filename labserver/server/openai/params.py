@@ -41,7 +41,7 @@ CHAT_TEMPLATE = "{role}: {content}\n"  # per message; the prompt then ends with 
 MAX_STOPS = 16
 
 _COMMON = {"model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "n",
-           "ignore_eos", "min_tokens", "logprobs", "logit_bias", "best_of", "response_format"}
+           "ignore_eos", "min_tokens", "priority", "logprobs", "logit_bias", "best_of", "response_format"}
 _USED = {False: _COMMON | {"prompt", "echo", "suffix"},
          True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                           "function_call"}}
@@ -63,6 +63,7 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    priority: int | None = None  # vLLM's: a lower value is served first (None: the x-priority header, or 0)
     ignored: list[str] = field(default_factory=list)  # fields accepted but not used
 
 
@@ -117,6 +118,7 @@ def parse_request(body: bytes, *, chat: bool, max_chars: int, max_tokens_cap: in
     req.stop = _stops(doc.get("stop"))
     req.ignore_eos = bool(_typed(doc, "ignore_eos", bool, "true or false"))
     req.min_tokens = _typed(doc, "min_tokens", int, "an integer") or 0
+    req.priority = _typed(doc, "priority", int, "an integer (lower is served first)")
     if req.min_tokens < 0 or (limit is not None and req.min_tokens > limit):
         raise _refuse(f'"min_tokens" must be between 0 and {name} ({limit}), got {req.min_tokens}', "min_tokens")
     req.ignored = sorted(set(doc) - _USED[chat]) + req.ignored

@@ -1,0 +1,272 @@
+"""Who goes first when there is more work than capacity: queue disciplines and scheduling policies.
+
+Two small families of rules, each swappable by name (a ``Limits`` knob), each exact on a
+virtual clock:
+
+- **queue disciplines** (``Limits.queue``): which waiting request an encoder batch takes
+  next, and which are shed. The waiting line keeps one FIFO per priority class (a lower
+  ``priority`` is served first, as vLLM's); a discipline picks within the best class.
+  ``fifo`` (the default), ``lifo``, ``adaptive-lifo`` (newest first while a queue stands,
+  first come first served otherwise: Facebook's "Fail at Scale") and ``codel`` (while a
+  queue stands, a request that waited longer than ``codel_target_ms`` is shed with 503).
+  A queue *stands* when it has not been empty for ``codel_interval_ms``: CoDel's notion,
+  with its defaults of 5 and 100 ms.
+- **scheduling policies** (``Limits.scheduling``) for generation: the order in which the
+  waiting are considered at a step boundary, and whom a newcomer may displace. ``fcfs``
+  (priority classes, then arrival), ``priority`` (the same, and a newcomer that does not
+  fit preempts a running sequence of a lower class: recomputed later, as memory
+  preemption does), ``fair`` (a virtual token counter per tenant, weighted prefill and
+  decode tokens served, the least served first: Sheng et al., OSDI 2024) and ``slo``
+  (earliest TTFT deadline first among those that can still make theirs, and no admission
+  that would push a decode step past the tightest TPOT target running).
+
+Nothing here knows the engine, nor imports the rest of the package (a rule reads its knobs from
+the strategy's ``Limits``, passed in): a rule sees the waiting (each with ``enqueued_s``,
+``priority``, ``tenant``), the running, and the clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+__all__ = ["DISCIPLINES", "SCHEDULING", "AdaptiveLIFO", "CoDel", "Discipline", "Fair", "FCFS", "FIFO", "LIFO",
+           "Priority", "Scheduling", "SLOAware", "make_discipline", "make_scheduling", "priority_of", "tenant_of"]
+
+
+def priority_of(item: Any) -> int:
+    return int(getattr(item, "priority", 0))
+
+
+def tenant_of(item: Any) -> str:
+    return str(getattr(item, "tenant", ""))
+
+
+# -- encoder queue disciplines ------------------------------------------------------------
+
+DISCIPLINES: dict[str, type[Discipline]] = {}
+
+
+def _discipline(cls: type[Discipline]) -> type[Discipline]:
+    DISCIPLINES[cls.name] = cls
+    return cls
+
+
+class Discipline:
+    """Which request of a class's line goes next (``pick``), and who is shed now (``shed``)."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, limits: Any) -> None:
+        self.target_s = limits.codel_target_ms / 1000
+        self.interval_s = limits.codel_interval_ms / 1000
+
+    def standing(self, now: float, last_empty_s: float) -> bool:
+        """A queue stands when it has not been empty for a whole interval."""
+        return now - last_empty_s >= self.interval_s
+
+    def pick(self, line: Sequence[Any], standing: bool) -> int:
+        """The index, in arrival order, of the request that goes next."""
+        return 0
+
+    def shed(self, line: Sequence[Any], now: float, standing: bool) -> list[Any]:
+        """Requests to refuse now (503, ``x-reason`` = this discipline's name)."""
+        return []
+
+
+@_discipline
+class FIFO(Discipline):
+    """First come, first served: under overload everyone is answered late."""
+
+    name = "fifo"
+
+
+@_discipline
+class LIFO(Discipline):
+    """Newest first: the fresh are answered in time, the old wait on (their deadline answers them)."""
+
+    name = "lifo"
+
+    def pick(self, line: Sequence[Any], standing: bool) -> int:
+        return len(line) - 1
+
+
+@_discipline
+class AdaptiveLIFO(Discipline):
+    """Newest first while a queue stands (the old would be late anyway), first come first served otherwise."""
+
+    name = "adaptive-lifo"
+
+    def pick(self, line: Sequence[Any], standing: bool) -> int:
+        return len(line) - 1 if standing else 0
+
+
+@_discipline
+class CoDel(Discipline):
+    """Controlled delay on queue time: while a queue stands, shed whoever waited past the target."""
+
+    name = "codel"
+
+    def shed(self, line: Sequence[Any], now: float, standing: bool) -> list[Any]:
+        if not standing:
+            return []  # everyone here came since the queue was last empty: none waited a whole interval
+        return [item for item in line if now - item.enqueued_s > self.target_s]
+
+
+def make_discipline(limits: Any) -> Discipline:
+    cls = DISCIPLINES.get(limits.queue)
+    if cls is None:
+        raise ValueError(f"unknown queue discipline {limits.queue!r}; choose one of: {', '.join(DISCIPLINES)}")
+    return cls(limits)
+
+
+# -- generation scheduling policies ----------------------------------------------------------
+
+SCHEDULING: dict[str, type[Scheduling]] = {}
+
+
+def _scheduling(cls: type[Scheduling]) -> type[Scheduling]:
+    SCHEDULING[cls.name] = cls
+    return cls
+
+
+class Scheduling:
+    """The order the waiting are considered in (``arrange``), whom a newcomer displaces (``displace``),
+    and what a sequence was served (``served``, for rules that keep accounts)."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, limits: Any) -> None:
+        self.limits = limits
+
+    def arrange(self, waiting: list[Any], running: Iterable[Any], now: float) -> list[Any]:
+        """Priority classes first (lower value first), arrival order within one (the line's own order)."""
+        return sorted(waiting, key=priority_of)  # stable: arrival order within a class
+
+    def displace(self, newcomer: Any, running: Sequence[Any]) -> Any | None:
+        """A running sequence the newcomer may preempt when it does not fit; None: it waits."""
+        return None
+
+    def served(self, seq: Any, prompt_tokens: int, decode_tokens: int) -> None:
+        """Tokens just computed for ``seq``."""
+
+    def observe_step(self, batch: int, ms: float) -> None:
+        """A decode step of ``batch`` sequences took ``ms``."""
+
+    def fits(self, seq: Any, running: Sequence[Any], joining: Sequence[Any]) -> bool:
+        """A policy's own condition for joining, beside the strategy's memory rule."""
+        return True
+
+
+@_scheduling
+class FCFS(Scheduling):
+    """First come, first served within a priority class; a lower class waits while a higher one does."""
+
+    name = "fcfs"
+
+
+@_scheduling
+class Priority(Scheduling):
+    """vLLM's priority scheduling: a newcomer that does not fit preempts the newest running sequence of
+    a lower class (a higher value); it is recomputed later, losing and repeating no token."""
+
+    name = "priority"
+
+    def displace(self, newcomer: Any, running: Sequence[Any]) -> Any | None:
+        lower = [s for s in running if priority_of(s) > priority_of(newcomer) and not s.finished]
+        if not lower:
+            return None
+        worst = max(priority_of(s) for s in lower)
+        return [s for s in lower if priority_of(s) == worst][-1]  # the lowest class's newest: least work lost
+
+
+@_scheduling
+class Fair(Scheduling):
+    """Fair shares across tenants by a virtual token counter (Sheng et al., OSDI 2024).
+
+    Each tenant's counter adds the tokens served to it, prompt tokens at ``prefill_weight``
+    and generated ones at ``decode_weight``; the waiting are considered least-served tenant
+    first (arrival order within a tenant). A tenant that comes back after having nothing
+    waiting or running starts at the lowest counter among the active ones, so idleness
+    banks no credit. Priority classes still come first.
+    """
+
+    name = "fair"
+    prefill_weight: ClassVar[float] = 1.0
+    decode_weight: ClassVar[float] = 2.0
+
+    def __init__(self, limits: Any) -> None:
+        super().__init__(limits)
+        self.counter: defaultdict[str, float] = defaultdict(float)
+        self.active: set[str] = set()
+
+    def arrange(self, waiting: list[Any], running: Iterable[Any], now: float) -> list[Any]:
+        active = {tenant_of(s) for s in running} | {tenant_of(s) for s in waiting}
+        floor = min((self.counter[t] for t in self.active & active), default=None)
+        for tenant in active - self.active:  # back from idle: no credit for the time away
+            if floor is not None:
+                self.counter[tenant] = max(self.counter[tenant], floor)
+        self.active = active
+        return sorted(waiting, key=lambda s: (priority_of(s), self.counter[tenant_of(s)]))
+
+    def served(self, seq: Any, prompt_tokens: int, decode_tokens: int) -> None:
+        self.counter[tenant_of(seq)] += self.prefill_weight * prompt_tokens + self.decode_weight * decode_tokens
+
+
+@_scheduling
+class SLOAware(Scheduling):
+    """Earliest TTFT deadline first among those that can still make theirs; those that cannot go after.
+
+    A request's deadline is its arrival plus its class's TTFT target (``ttft_targets_ms``;
+    a class without one has none). One does not join when the decode step it would make
+    is expected (from the steps measured so far, ``a + b * batch``) to take longer than the
+    tightest TPOT target of the sequences then running (``tpot_targets_ms``).
+    """
+
+    name = "slo"
+
+    def __init__(self, limits: Any) -> None:
+        super().__init__(limits)
+        self.steps: deque[tuple[int, float]] = deque(maxlen=256)  # (batch, ms) of recent decode steps
+        self.now = 0.0
+
+    def deadline(self, seq: Any) -> float:
+        target = (self.limits.ttft_targets_ms or {}).get(priority_of(seq))
+        return seq.enqueued_s + target / 1000 if target is not None else math.inf
+
+    def arrange(self, waiting: list[Any], running: Iterable[Any], now: float) -> list[Any]:
+        self.now = now
+        can = sorted((s for s in waiting if self.deadline(s) >= now), key=self.deadline)
+        missed = [s for s in waiting if self.deadline(s) < now]
+        return can + missed
+
+    def observe_step(self, batch: int, ms: float) -> None:
+        if batch > 0 and math.isfinite(ms):
+            self.steps.append((batch, ms))
+
+    def step_ms(self, batch: int) -> float:
+        """Expected decode-step time for ``batch`` sequences, least squares over the recent steps."""
+        if len(self.steps) < 2:
+            return 0.0
+        ns = [n for n, _ in self.steps]
+        ys = [y for _, y in self.steps]
+        mean_n, mean_y = sum(ns) / len(ns), sum(ys) / len(ys)
+        var = sum((n - mean_n) ** 2 for n in ns)
+        slope = max(0.0, sum((n - mean_n) * (y - mean_y) for n, y in zip(ns, ys, strict=True)) / var) if var else 0.0
+        return mean_y + slope * (batch - mean_n)
+
+    def fits(self, seq: Any, running: Sequence[Any], joining: Sequence[Any]) -> bool:
+        targets = self.limits.tpot_targets_ms or {}
+        tight = [targets[priority_of(s)] for s in (*running, *joining, seq) if priority_of(s) in targets]
+        if not tight:
+            return True
+        return self.step_ms(len(running) + len(joining) + 1) <= min(tight)
+
+
+def make_scheduling(limits: Any) -> Scheduling:
+    cls = SCHEDULING.get(limits.scheduling)
+    if cls is None:
+        raise ValueError(f"unknown scheduling policy {limits.scheduling!r}; choose one of: {', '.join(SCHEDULING)}")
+    return cls(limits)
