@@ -301,3 +301,28 @@ def test_deadline_admission_refuses_at_once_what_it_expects_to_be_late() -> None
         assert all(float(r.elapsed.total_seconds()) < 0.05 for r in refused)  # at once, not after waiting
         assert not [r for r in out.values() if r.status_code == 504]  # none admitted and then late
         assert h.stats()["refused_deadline"] == len(refused)
+
+
+def test_a_high_priority_request_displaces_a_running_stream_live_and_the_stream_loses_nothing() -> None:
+    with labserver.serve("gen-continuous", "synthetic-gen:5+5", max_batch_size=2, scheduling="priority") as h, \
+            httpx.Client(timeout=30) as c:
+        def generate(prompt: str, n: int, priority: int) -> httpx.Response:
+            return c.post(h.url + "/generate", json={"prompt": prompt, "max_new_tokens": n},
+                          headers={wire.HEADER_PRIORITY: str(priority), wire.HEADER_TENANT: "t"})
+
+        solo = generate("the long stream one", 150, 1).json()["tokens"]  # what it says when nobody displaces it
+        out: dict[str, httpx.Response] = {}
+        low = [threading.Thread(target=lambda p=p: out.__setitem__(p, generate(p, 150, 1)))
+               for p in ("the long stream one", "the long stream two")]
+        for t in low:
+            t.start()
+        wait_until(lambda: h.stats()["running"] == 2)
+        started = time.perf_counter()
+        high = generate("an urgent question", 5, 0)
+        took_s = time.perf_counter() - started
+        for t in low:
+            t.join()
+        assert high.status_code == 200 and took_s < 0.5  # not after a stream's 150 steps (~0.75 s)
+        assert h.stats()["preempted_for_priority"] >= 1
+        assert [len(out[p].json()["tokens"]) for p in out] == [150, 150]
+        assert out["the long stream one"].json()["tokens"] == solo  # recomputed, nothing lost or repeated

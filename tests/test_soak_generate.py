@@ -36,12 +36,13 @@ class Outcome:
     final: str = ""  # "done" | "error" | "" (left, or no stream)
     error_type: str = ""
     done_tokens: list[int] = field(default_factory=list)
+    headers: dict[str, str] = field(default_factory=dict)  # its class and tenant
 
 
 async def one(client: httpx.AsyncClient, url: str, o: Outcome, k: int) -> None:
     prompt = f"soak request {k}" + (f" {POISON}" if o.poison else "")
     body = {"prompt": prompt, "max_new_tokens": o.max_new_tokens, "stream": True, "ignore_eos": True}
-    async with client.stream("POST", url + "/generate", json=body) as r:
+    async with client.stream("POST", url + "/generate", json=body, headers=o.headers) as r:
         o.status = r.status_code
         if r.status_code != 200:
             o.error_type = json.loads(await r.aread())["error"]["type"]
@@ -71,6 +72,10 @@ async def one(client: httpx.AsyncClient, url: str, o: Outcome, k: int) -> None:
                                 "max_step_tokens": 12, "kv_block_tokens": 2}),
     # 96 tokens: three sequences near their longest fill it, so even a slowed server preempts
     ("gen-paged", "gpt2-tiny-random", {"max_kv_tokens": 96, "prefix_cache": True, "kv_block_tokens": 2}),
+    # mixed classes and tenants: displacement by priority beside memory preemption, fair shares, SLOs
+    ("gen-paged", "synthetic", {"max_kv_tokens": 160, "scheduling": "priority"}),
+    ("gen-continuous", "synthetic", {"scheduling": "fair"}),
+    ("gen-continuous", "synthetic", {"scheduling": "slo", "ttft_targets_ms": {0: 100.0}, "tpot_targets_ms": {0: 30.0}}),
 ])  # fmt: skip
 def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str, knobs: dict[str, Any]) -> None:
     # capacity: steps of 4 ms for up to 8 sequences, outputs of 4-40 tokens (mean 22): about
@@ -88,8 +93,9 @@ def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str, 
     # (503) however fast this machine is; the rate after it keeps the server overloaded on most
     rng = random.Random(7)
     n, burst = 300, 40
-    plan = [Outcome(rng.randint(4, 40), rng.random() < poison, rng.randint(1, 3) if rng.random() < 0.2 else None)
-            for _ in range(n)]
+    plan = [Outcome(rng.randint(4, 40), rng.random() < poison, rng.randint(1, 3) if rng.random() < 0.2 else None,
+                    headers={"x-priority": str(k % 3), "x-tenant": "light" if k % 5 == 0 else "heavy"})
+            for k in range(n)]
     with labserver.serve(strategy, model, max_batch_size=8, max_queue=24, timeout_ms=400, **knobs) as h:
 
         async def main() -> None:
@@ -131,7 +137,9 @@ def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str, 
     assert stats["computed_after_deadline"] == 0
     assert stats["kv_tokens"] == 0 and model.cached == 0 and stats["kv_blocks"]["used"] == 0  # every block free
     if strategy == "gen-paged":  # (or cached, for the prefix cache)
-        assert stats["preemptions"] > 0
+        assert stats["preemptions"] + stats["preempted_for_priority"] > 0
+    if knobs.get("scheduling") == "priority":
+        assert stats["preempted_for_priority"] > 0
     # leavers were dropped by the engine (exactly when is tests/test_genserver.py's business)
     assert stats["left_while_generating"] >= 1
     decoded = Counter(sid for kind, ids in model.calls if kind == "decode" for sid in ids)
