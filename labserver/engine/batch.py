@@ -31,16 +31,18 @@ __all__ = ["BatchCounters", "BatchEngine", "BatchRecord", "Item", "expected_wait
 
 def expected_wait_ms(cost: Any, ahead: int, cap: float, busy_ms: float) -> float:
     """Until the last of ``ahead`` waiting items is answered: what is left of the batch in the model,
-    then full batches of ``cap``, then the rest (0 while the cost is unknown).
+    then the batches of up to ``cap`` that carry them, each costed as big as those waiting make it
+    (those who come meanwhile fill the last one before it leaves); 0 while the cost is unknown.
 
     >>> cost = BatchCost(); cost.add(1, 10.0); cost.add(4, 16.0)   # 8 ms + 2 ms per item
-    >>> expected_wait_ms(cost, 9, 4, busy_ms=5.0)  # 5 + 16 + 16 + 10
-    47.0
+    >>> expected_wait_ms(cost, 9, 4, busy_ms=5.0)  # 5 + three batches of 4 at 16 ms
+    53.0
     """
     if not cost.points:
         return 0.0
-    full, rest = divmod(ahead, int(cap)) if math.isfinite(cap) else (0, ahead)
-    return busy_ms + full * cost(int(cap) if math.isfinite(cap) else 0) + (cost(rest) if rest else 0.0)
+    if not math.isfinite(cap):
+        return busy_ms + cost(ahead)
+    return busy_ms + math.ceil(ahead / cap) * cost(min(int(cap), ahead))
 
 
 @dataclass
