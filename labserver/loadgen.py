@@ -18,6 +18,12 @@ SGLang, Ollama, llama.cpp, ``transformers serve``) offer: the same schedule, the
 records, so any of them is measured the same way (``labserver.load.apis``). ``model``
 names the model in every request; left out, the server's ``GET /v1/models`` is asked.
 
+``mix`` sends several flows side by side (``labserver.load.mix``): each request is dealt
+to a flow by its own seeded draw and carries that flow's ``x-priority`` / ``x-tenant``
+headers (and ``"priority"`` in an OpenAI body), optionally its own prompts and output
+lengths; the records name its ``flow``, and ``labserver.analysis.summarize_flows`` judges
+each flow by its own targets.
+
 Entry points: ``await run_load(url, **options)`` in async code and notebooks,
 ``run_load_sync(url, **options)`` anywhere else (also inside a running Jupyter
 kernel); the options are the fields of ``LoadSpec``. Arrival processes live in
@@ -56,6 +62,7 @@ from .load.arrivals import Arrival, make_arrival
 from .load.clients import CLIENTS, check_target
 from .load.lengths import LengthsLike, make_lengths, take_lengths
 from .load.loops import run_on_fresh_loop
+from .load.mix import Flow, Mix, MixLike, make_mix, parse_mix
 from .load.payloads import PayloadLike, take_payloads
 from .load.plan import Plan
 from .load.processes import run_in_processes
@@ -65,7 +72,8 @@ from .analysis.trust import late_matters
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LATE_MS", "LoadResult", "LoadSpec", "RECORD_COLUMNS", "TOKEN_COLUMNS", "run_load", "run_load_sync"]
+__all__ = ["LATE_MS", "Flow", "LoadResult", "LoadSpec", "Mix", "RECORD_COLUMNS", "TOKEN_COLUMNS", "parse_mix",
+           "run_load", "run_load_sync"]
 
 LATE_MS = 1.0  # a send this much after its scheduled time counts as late
 
@@ -102,6 +110,7 @@ class LoadSpec:
     probe_path: str = "/health"
     progress: bool | None = None  # tqdm bar; None: only for runs of 10 s or more
     allow_remote: bool = False  # loopback targets only unless this is True
+    mix: MixLike | None = None  # flows sent side by side (a Mix, a list of Flow, or "name:share:key=value,...")
 
     def __post_init__(self) -> None:
         check_target(self.url, self.allow_remote)
@@ -120,6 +129,9 @@ class LoadSpec:
             raise ValueError("processes must be >= 1, and process=True to use more than one")
         if self.max_in_flight < self.processes:
             raise ValueError("max_in_flight must be at least the number of processes")
+        self.mix = make_mix(self.mix)
+        if self.mix is not None:
+            self.mix.check(generative=self.generative)
         if self.generative:
             make_lengths(self.new_tokens)  # fails now, with what to pass, rather than in a worker
             if self.client != "raw":
@@ -169,7 +181,8 @@ async def run_load(url: str | LoadSpec, **options: Any) -> LoadResult:
             outs = [await run_here(plans[0], bar.set)]
     finally:
         bar.close()
-    records, tokens = build_records(outs, spec.warmup_s, closed=bool(spec.users))
+    records, tokens = build_records(outs, spec.warmup_s, closed=bool(spec.users),
+                                    flows=spec.mix.flows if spec.mix else ())
     probes = pd.DataFrame([p for o in outs for p in o["probes"]], columns=PROBE_COLUMNS)
     meta, warnings = _assess(spec, arrival, records)
     meta.update(started_at=started.isoformat(), elapsed_s=time.perf_counter() - t_wall,
@@ -229,9 +242,13 @@ def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
                 overflow=spec.overflow, drain_s=spec.drain_s, seed=spec.seed, stream=spec.stream,
                 ignore_eos=spec.ignore_eos, api=spec.api, model=spec.model or "")
     generate = spec.generative
+    mix = spec.mix
     plans: list[Plan] = []
     if spec.users:
         texts: list[str] = []
+        if spec.process and mix and not _picklable(mix):
+            raise ValueError("a flow's payload cannot be shipped to a generator process: give it a list, "
+                             "a WordTexts or a file, or use process=False")
         if spec.process and not _picklable(spec.payload):
             if spec.max_requests is None:
                 raise ValueError("a generator of payloads cannot be shipped to a generator process: "
@@ -244,18 +261,22 @@ def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
                               think_s=spec.think_s, duration_s=spec.duration_s or math.inf,
                               max_requests=share, payload=None if texts else spec.payload,
                               max_in_flight=spec.users, lengths=make_lengths(spec.new_tokens) if generate else None,
-                              **base))
+                              flows=mix.flows if mix else (), **base))
         arrival = None
     else:
         arrival = make_arrival(spec.arrival or "poisson", spec.rate_per_s)
         times = arrival.times(spec.duration_s, spec.max_requests, seed=spec.seed)
         texts = take_payloads(spec.payload, len(times), seed=[spec.seed, 1])
         sizes = take_lengths(spec.new_tokens, len(times), seed=[spec.seed, 2]) if generate else None
+        flow = mix.assign(len(times), seed=spec.seed) if mix else None
+        if mix:
+            mix.place_own(flow, texts, sizes, spec.seed)
         index = np.arange(len(times))
         for w in range(n_proc):  # round-robin keeps every process's share evenly spread in time
             plans.append(Plan(worker=w, index=index[w::n_proc], scheduled_s=times[w::n_proc],
                               texts=texts[w::n_proc], max_in_flight=-(-spec.max_in_flight // n_proc),
-                              new_tokens=sizes[w::n_proc] if generate else None, **base))
+                              new_tokens=sizes[w::n_proc] if generate else None,
+                              flows=mix.bare().flows if mix else (), flow=flow[w::n_proc] if mix else None, **base))
     if spec.probe_interval_s:
         plans[0].probe_url, plans[0].probe_interval_s = spec.probe_url(), spec.probe_interval_s
     return [p for p in plans if p.users or len(p.scheduled_s) or p.probe_url], arrival
@@ -282,6 +303,7 @@ def _assess(spec: LoadSpec, arrival: Arrival | None, records: pd.DataFrame) -> t
     n_cancelled = int((records["error"] == "cancelled").sum())
     meta = {f.name: _plain(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
     meta.update(
+        mix=str(spec.mix) if spec.mix else None,  # parse_mix reads it back (LoadResult.flow_summary does)
         target_url=spec.target_url(), loop="closed" if spec.users else "open",
         arrival=repr(arrival) if arrival else None,
         # offered load per second (open loop) and users (closed loop), as analysis.summarize reads them

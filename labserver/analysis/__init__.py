@@ -4,6 +4,8 @@
   ``ok``, ``window_s``), batches and request phases reconstructed from the server's headers;
 - ``summary``: ``summarize`` / ``summarize_runs``, the one summary (one name, one formula per figure);
 - ``tokens``: TTFT, TPOT, inter-token latency and goodput of generation runs;
+- ``flows``: a mix's flows (or priority classes, or tenants) each judged by its own targets,
+  and tokens served per tenant over time;
 - ``sweep``: the highest offered rate that meets a latency SLO;
 - ``trust``: when a percentile has enough samples and when late sends matter;
 - ``theory``: M/D/1, M/M/1 and M/G/1 predictions to hold measurements against.
@@ -13,6 +15,7 @@ Nothing here knows of HTTP or matplotlib.
 
 from __future__ import annotations
 
+from .flows import meets_targets, summarize_flows, tokens_by
 from .records import (RUN_KEYS, batch_size_counts, batches, combine, measured, ok, request_phases, run_keys,
                       unpack, window_s)
 from .summary import PERCENTILE_METHOD, PERCENTILES, summarize, summarize_runs, summary_row
@@ -40,6 +43,7 @@ __all__ = [
     "itl_ms",
     "md1_mean_response_ms",
     "measured",
+    "meets_targets",
     "mg1_mean_response_ms",
     "mm1_mean_response_ms",
     "mm1_response_quantile_ms",
@@ -47,9 +51,11 @@ __all__ = [
     "request_phases",
     "run_keys",
     "summarize",
+    "summarize_flows",
     "summarize_runs",
     "summary_row",
     "sweep",
+    "tokens_by",
     "trusted",
     "unpack",
     "utilization",

@@ -121,6 +121,14 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                    help="a local tokenizer folder: --prompt-tokens counted exactly by it")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="generate: goodput needs TTFT within this")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="generate: goodput needs TPOT within this")
+    p.add_argument("--mix", default=None, metavar="SPEC",
+                   help="several flows in one run, each request dealt to one by a seeded draw: flows separated "
+                        "by ',', each NAME:SHARE (shares are normalised) then any of :priority=INT (sent as "
+                        "x-priority, and \"priority\" in an OpenAI body; lower is served first), :tenant=NAME "
+                        "(x-tenant), :slo=MS (latency target), :ttft=MS, :tpot=MS (generation targets) and "
+                        ":tokens=LENGTHS (its own --new-tokens, colons allowed); each flow is then summarised "
+                        "under its own targets (--slo-ms, --ttft-slo-ms, --tpot-slo-ms stand in where it sets "
+                        "none). E.g. 'interactive:0.2:priority=0:ttft=500:tokens=32,batch:0.8:priority=1'")
     p.add_argument("--payload-file", help="send the lines of this file (default: seeded 8-24 word sentences)")
     p.add_argument("--processes", type=int, default=1, help="load generator processes (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
@@ -168,6 +176,10 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
         from ..load.payloads import WordTexts
 
         opts["payload"] = WordTexts(min_words=8, max_words=24)
+    if getattr(args, "mix", None):
+        from ..load.mix import parse_mix
+
+        opts["mix"] = parse_mix(args.mix)  # a bad spec fails here, before a server is started
     if wants_generation(args):
         opts.update(new_tokens=parse_lengths(args.new_tokens), stream=not args.no_stream, timeout_s=600.0,
                     ignore_eos=not args.no_ignore_eos)

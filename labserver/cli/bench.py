@@ -42,6 +42,18 @@ def _summarize(args: argparse.Namespace, result: Any) -> Any:
                               ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
 
 
+_FLOW_COLUMNS = ("flow", "priority", "tenant", "share_of_requests", "n_ok", "error_frac", "p50_ms", "p99_ms",
+                 "ttft_p99_ms", "tpot_p99_ms", "goodput_rps", "gen_goodput_rps", "good_frac", "gen_good_frac",
+                 "tokens_per_s", "share_of_tokens")
+
+
+def _flow_table(args: argparse.Namespace, result: Any) -> str:
+    """Each flow of a mix under its own targets, one line each."""
+    table = result.flow_summary(slo_ms=args.slo_ms, ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms)
+    cols = [c for c in _FLOW_COLUMNS if c in table.columns and (c == "flow" or table[c].notna().any())]
+    return "\nper flow:\n" + table[cols].to_string(index=False, float_format=lambda x: f"{x:.4g}")
+
+
 def _target(args: argparse.Namespace) -> tuple[str, Any]:
     """The URL to load: --url as given, or a server started here for --strategy."""
     if args.url:
@@ -66,6 +78,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             handle.stop()
     summary = _summarize(args, result)
     print(summary.to_string(float_format=lambda x: f"{x:.4g}"))
+    if result.meta.get("mix"):
+        print(_flow_table(args, result))
     for w in result.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if args.out:

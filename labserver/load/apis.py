@@ -60,11 +60,13 @@ def models_url(url: str) -> str:
 
 
 def openai_body(api: str, model: str, text: str, max_tokens: int | None = None, *, stream: bool = True,
-                ignore_eos: bool = True) -> bytes:
-    """One request body of an OpenAI ``api`` for ``text`` asking ``max_tokens`` (generation)."""
+                ignore_eos: bool = True, priority: int | None = None) -> bytes:
+    """One request body of an OpenAI ``api`` for ``text`` asking ``max_tokens`` (generation);
+    ``priority`` (a mix's class, lower served first) goes in as vLLM's ``"priority"`` field."""
+    extra = {} if priority is None else {"priority": int(priority)}
     if api == "openai-embeddings":
-        return json.dumps({"model": model, "input": text, "encoding_format": "float"}).encode()
-    doc: dict[str, object] = {"model": model}
+        return json.dumps({"model": model, "input": text, "encoding_format": "float", **extra}).encode()
+    doc: dict[str, object] = {"model": model, **extra}
     if api == "openai-chat":
         doc["messages"] = [{"role": "user", "content": text}]
     else:

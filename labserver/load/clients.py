@@ -292,11 +292,12 @@ class HttpxClient:
             trust_env=False,  # no proxies from the environment between us and the server
         )
 
-    async def request(self, body: bytes = b"") -> tuple[int, Mapping[str, str]]:
+    async def request(self, body: bytes = b"",
+                      headers: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str]]:
         httpx = self._httpx
         try:
             r = await self._client.request(self.method, self.url, content=body or None,
-                                           headers=self._headers)
+                                           headers={**self._headers, **headers} if headers else self._headers)
         except httpx.TimeoutException as exc:
             raise RequestFailed("timeout", str(exc)) from None
         except httpx.ConnectError as exc:

@@ -1,7 +1,7 @@
 """What one generator process is told to send (``Plan``) and the row it writes per request.
 
-``labserver.loadgen`` builds the plans (request numbers, scheduled times, payloads, or
-closed-loop users) and turns the rows that come back into records
+``labserver.loadgen`` builds the plans (request numbers, scheduled times, payloads and
+flows of a mix, or closed-loop users) and turns the rows that come back into records
 (``labserver.load.results`` names their columns from ``ROW_FIELDS``). Sending is not
 here: ``labserver.load.worker`` sends a plan, ``labserver.load.processes`` sends several
 from spawned processes.
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from .. import wire
+from .mix import Flow
 
 __all__ = ["GEN_FIELDS", "HEADER_COLUMNS", "PROBES_IN_FLIGHT", "PROBE_FIELDS", "ROW_FIELDS", "Plan"]
 
@@ -25,11 +26,13 @@ HEADER_COLUMNS = {
     "batch_size": wire.HEADER_BATCH_SIZE, "batch_id": wire.HEADER_BATCH_ID,
     "dispatch": wire.HEADER_DISPATCH, "server_ms": wire.HEADER_SERVER_MS,
     "request_id": wire.HEADER_REQUEST_ID, "replica": wire.HEADER_REPLICA,
+    "reason": wire.HEADER_REASON,  # why a 503/504 was refused or shed
 }
 # what a generation answer adds (None/NaN for other modes); token_s is a list of client-clock
 # times (s from the run's start), one per token event, that loadgen turns into its tokens frame
 GEN_FIELDS = ("first_token_s", "n_tokens", "max_new_tokens", "finish_reason", "token_s")
-ROW_FIELDS = ("i", "process", "scheduled_s", "sent_s", "done_s", "status", "error", "input_chars",
+# flow_k: the request's flow, an index into Plan.flows (-1 without a mix); records name it
+ROW_FIELDS = ("i", "process", "scheduled_s", "sent_s", "done_s", "status", "error", "input_chars", "flow_k",
               *HEADER_COLUMNS, *GEN_FIELDS)
 PROBE_FIELDS = ("t_s", "latency_ms", "status", "error")
 PROBES_IN_FLIGHT = 64  # outstanding probes allowed; later ones are recorded as overflow
@@ -64,6 +67,8 @@ class Plan:
     ignore_eos: bool = True  # generation: ask for exactly max_new_tokens
     api: str = "labserver"  # or "openai-completions", "openai-chat", "openai-embeddings" (labserver.load.apis)
     model: str = ""  # OpenAI APIs: the model name every request names
+    flows: tuple[Flow, ...] = ()  # a mix's flows (open loop: without payloads, their texts are in texts)
+    flow: np.ndarray | None = None  # open loop with a mix: each request's flow, an index into flows
 
     def mean_gap_s(self) -> float:
         s = self.scheduled_s

@@ -2,7 +2,9 @@
 
 ``LoadResult.records`` has one row per request (``RECORD_COLUMNS``, in order, one
 schema for every mode: the generation columns are NaN, NA or "" for other runs).
-A generation run also fills ``LoadResult.tokens``, one row per token event received
+A run with a mix (``labserver.load.mix``) names each request's ``flow`` and the
+``priority`` and ``tenant`` it was sent with; ``reason`` is the server's ``x-reason`` on
+a refusal or a shed. A generation run also fills ``LoadResult.tokens``, one row per token event received
 (``TOKEN_COLUMNS``: the request's ``i``, the token's index ``k`` and its client-clock
 arrival ``t_s``), so inter-token gaps are ``tokens.groupby("i")["t_s"].diff()``.
 
@@ -20,7 +22,7 @@ does no statistics: ``LoadResult.summary`` is ``labserver.analysis.summarize``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,15 +30,23 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..analysis.flows import summarize_flows
 from ..analysis.summary import summarize
+from .mix import Flow, parse_mix
 from .worker import PROBE_FIELDS, ROW_FIELDS
 
 __all__ = ["LoadResult", "PROBE_COLUMNS", "RECORD_COLUMNS", "TOKEN_COLUMNS", "build_records"]
 
 RECORD_COLUMNS: dict[str, str] = {  # column -> dtype, in order
     "i": "int64", "process": "int64", "scheduled_s": "float64", "sent_s": "float64",
-    "done_s": "float64", "status": "int64", "error": "str", "latency_ms": "float64",
-    "send_latency_ms": "float64", "late_ms": "float64", "warmup": "bool", "input_chars": "int64",
+    "done_s": "float64", "status": "int64", "error": "str",
+    "reason": "str",  # the server's x-reason on a 503/504 (queue-full, codel, deadline, ...); "" when none
+    "latency_ms": "float64", "send_latency_ms": "float64", "late_ms": "float64", "warmup": "bool",
+    "input_chars": "int64",
+    # a mix (labserver.load.mix): the request's flow, and the x-priority / x-tenant it was sent with
+    "flow": "str",  # "" without a mix
+    "priority": "Int64",  # NA when none was sent
+    "tenant": "str",  # "" when none was sent
     "queue_ms": "float64", "compute_ms": "float64", "batch_size": "Int64", "batch_id": "Int64",
     "dispatch": "str", "server_ms": "float64", "request_id": "str", "replica": "str",
     # generation (mode "generate"); for a stream, queue_ms and server_ms come from its done event
@@ -47,7 +57,8 @@ RECORD_COLUMNS: dict[str, str] = {  # column -> dtype, in order
     "ttft_ms": "float64",  # first_token_s - scheduled_s
     "tpot_ms": "float64",  # (done_s - first_token_s) / (n_tokens - 1); NaN below 2 tokens
 }
-_EMPTY_IS_NONE = ("error", "finish_reason")  # text columns where "" means "none", never missing
+# text columns where "" means "none", never missing
+_EMPTY_IS_NONE = ("error", "reason", "flow", "tenant", "finish_reason")
 TOKEN_COLUMNS: dict[str, str] = {"i": "int64", "k": "int64", "t_s": "float64"}
 PROBE_COLUMNS = PROBE_FIELDS
 
@@ -76,6 +87,12 @@ class LoadResult:
         name and one formula per figure, whichever way it is asked for.
         """
         return summarize(self.records, meta=self.meta, tokens=self.tokens, **options).to_dict()
+
+    def flow_summary(self, **options: Any) -> pd.DataFrame:
+        """``labserver.analysis.summarize_flows`` over this run, each flow under the targets its
+        mix gave it (``options`` as there: ``key="tenant"``, fallback ``slo_ms`` ...)."""
+        mix = self.meta.get("mix")
+        return summarize_flows(self.records, parse_mix(mix) if mix else None, self.tokens, **options)
 
     def save(self, path: str | Path, summary: Mapping[str, Any] | None = None) -> list[Path]:
         """Write the run in the format its name asks for; the files written.
@@ -140,10 +157,18 @@ class LoadResult:
         return cls(records, side.get("meta", {}), side.get("warnings", []), probes, tokens)
 
 
-def build_records(outs: list[dict[str, Any]], warmup_s: float, *,
-                  closed: bool) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The records and tokens frames from the generator processes' rows (``ROW_FIELDS``)."""
+def build_records(outs: list[dict[str, Any]], warmup_s: float, *, closed: bool,
+                  flows: Sequence[Flow] = ()) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The records and tokens frames from the generator processes' rows (``ROW_FIELDS``);
+    ``flows``: the mix's, which the rows' ``flow_k`` index."""
     df = pd.DataFrame([r for o in outs for r in o["rows"]], columns=ROW_FIELDS)
+    k = df["flow_k"].to_numpy(dtype=np.int64) if len(df) else np.empty(0, np.int64)
+    if flows and len(df) and (k < 0).any():
+        raise ValueError("rows without a flow in a run with a mix")
+    pick = (lambda values: [values[j] for j in k]) if flows else (lambda values: [None] * len(df))
+    df["flow"] = pick([f.name for f in flows])
+    df["priority"] = pick([f.priority for f in flows])
+    df["tenant"] = pick([f.tenant for f in flows])
     if closed:  # numbered in the order the users meant to send
         df = df.sort_values(["scheduled_s", "process"], kind="stable", ignore_index=True)
         df["i"] = np.arange(len(df))

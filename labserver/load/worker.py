@@ -2,7 +2,8 @@
 
 ``labserver.loadgen`` decides what to send (a ``Plan`` per process, ``labserver.load.plan``)
 and turns the rows that come back into records. This module only sends on time and writes
-down what happened, one tuple per request (``ROW_FIELDS``), as cheaply as it can: at 1000
+down what happened, one tuple per request (``ROW_FIELDS``), as cheaply as it can (a mix's
+requests also carry their flow's ``x-priority`` / ``x-tenant`` headers): at 1000
 requests/s every microsecond of bookkeeping is a tenth of a percent of a core. A generation
 request (mode "generate", or an OpenAI completions/chat API) also carries its token arrival
 times in the row, as a list. ``run_here`` sends one plan in this process; the event loop it
@@ -24,6 +25,7 @@ from .apis import is_generative, openai_body
 from .clients import CLIENTS, RequestFailed, StreamClient
 from .lengths import iter_lengths
 from .loops import run_on_fresh_loop, spin_s, timer_late_fraction
+from .mix import Mix
 from .openai_sse import OpenAIAnswer
 from .payloads import iter_payloads
 from .plan import HEADER_COLUMNS, PROBE_FIELDS, PROBES_IN_FLIGHT, ROW_FIELDS, Plan
@@ -52,18 +54,23 @@ class Worker:
         self.rows: list[tuple] = []
         self.probes: list[tuple] = []
         self.gen = is_generative(plan.api, plan.mode)
+        # a mix: each flow's headers (x-priority, x-tenant), sent with each of its requests
+        self.flow_headers = [f.headers() or None for f in plan.flows]
+        self.flow_k: list[int] = []  # open loop: each request's flow (-1: no mix)
         if plan.users:
             self.bodies = []
         else:  # built before the run: json.dumps is not free at 1000 requests/s
             sizes = plan.new_tokens if self.gen else [None] * len(plan.texts)
-            self.bodies = [self._body(t, n) for t, n in zip(plan.texts, sizes)]
+            self.flow_k = plan.flow.tolist() if plan.flow is not None else [-1] * len(plan.texts)
+            self.bodies = [self._body(t, n, k) for t, n, k in zip(plan.texts, sizes, self.flow_k)]
         self.t0 = 0.0
         self.spin_s = 0.0
 
-    def _body(self, text: str, new_tokens: int | None = None) -> bytes:
+    def _body(self, text: str, new_tokens: int | None = None, flow_k: int = -1) -> bytes:
         if self.plan.api != "labserver":
+            priority = self.plan.flows[flow_k].priority if flow_k >= 0 else None  # vLLM's body field
             return openai_body(self.plan.api, self.plan.model, text, new_tokens, stream=self.plan.stream,
-                               ignore_eos=self.plan.ignore_eos)
+                               ignore_eos=self.plan.ignore_eos, priority=priority)
         if self.gen:
             return json.dumps({"prompt": text, "max_new_tokens": int(new_tokens), "stream": self.plan.stream,
                                "ignore_eos": self.plan.ignore_eos}).encode()
@@ -108,14 +115,15 @@ class Worker:
             await asyncio.sleep(0 if spin else left)
 
     async def _send(self, client, i: int, scheduled_s: float, body: bytes, chars: int,
-                    new_tokens: int | None = None) -> float:
+                    new_tokens: int | None = None, flow_k: int = -1) -> float:
         sent = time.perf_counter() - self.t0
         status, headers, error, answer = 0, None, "", None
+        extra = self.flow_headers[flow_k] if flow_k >= 0 else None
         try:
             if new_tokens is None:
-                status, headers = await client.request(body)
+                status, headers = await client.request(body, extra)
             else:
-                answer = await client.request(body)
+                answer = await client.request(body, extra)
         except RequestFailed as exc:
             error = exc.kind
             answer = exc.partial
@@ -129,17 +137,18 @@ class Worker:
             done = time.perf_counter() - self.t0
             if new_tokens is None:
                 hdr = [headers.get(h) for h in HEADER_COLUMNS.values()] if headers else _NO_HEADERS
-                self.rows.append((i, self.plan.worker, scheduled_s, sent, done, status, error, chars, *hdr,
+                self.rows.append((i, self.plan.worker, scheduled_s, sent, done, status, error, chars, flow_k, *hdr,
                                   *_NO_GEN))
             else:
-                self.rows.append(self._gen_row(i, scheduled_s, sent, done, error, chars, new_tokens, answer))
+                self.rows.append(self._gen_row(i, scheduled_s, sent, done, error, chars, flow_k, new_tokens,
+                                               answer))
             self.counter.value += 1
         return done
 
-    def _gen_row(self, i: int, scheduled_s: float, sent: float, done: float, error: str, chars: int,
+    def _gen_row(self, i: int, scheduled_s: float, sent: float, done: float, error: str, chars: int, flow_k: int,
                  new_tokens: int, answer: Answer | OpenAIAnswer | None) -> tuple:
         if answer is None:  # no response at all
-            return (i, self.plan.worker, scheduled_s, sent, done, 0, error, chars, *_NO_HEADERS,
+            return (i, self.plan.worker, scheduled_s, sent, done, 0, error, chars, flow_k, *_NO_HEADERS,
                     math.nan, 0, new_tokens, "", None)
         kind, first_s, n_tokens, finish = answer.outcome(done, self.t0)
         if error == "disconnect" and answer.event_stream:  # dropped after the headers: the stream broke off
@@ -149,7 +158,7 @@ class Worker:
         timing = answer.timing()
         fields.update({col: timing[col] for col in _TIMING_COLUMNS if timing.get(col) is not None})
         token_s = [t - self.t0 for t in answer.token_s]
-        return (i, self.plan.worker, scheduled_s, sent, done, answer.status, error, chars, *fields.values(),
+        return (i, self.plan.worker, scheduled_s, sent, done, answer.status, error, chars, flow_k, *fields.values(),
                 first_s, n_tokens, new_tokens, finish, token_s)
 
     async def _open(self, client) -> None:
@@ -161,7 +170,7 @@ class Worker:
         async def one(k: int) -> None:
             try:
                 await self._send(client, int(p.index[k]), float(p.scheduled_s[k]), self.bodies[k],
-                                 len(p.texts[k]), asked[k])
+                                 len(p.texts[k]), asked[k], self.flow_k[k])
             finally:
                 limit.release()
 
@@ -170,7 +179,7 @@ class Worker:
             if limit.locked() and p.overflow == "error":
                 gen = (math.nan, 0, asked[k], "", None) if self.gen else _NO_GEN
                 self.rows.append((int(p.index[k]), p.worker, s, math.nan, math.nan, 0, "client_overflow",
-                                  len(p.texts[k]), *_NO_HEADERS, *gen))
+                                  len(p.texts[k]), self.flow_k[k], *_NO_HEADERS, *gen))
                 self.counter.value += 1
                 continue
             await limit.acquire()  # returns at once unless overflow == "wait" and we are full
@@ -188,14 +197,19 @@ class Worker:
         texts = iter_payloads(p.texts or p.payload, seed=[p.seed, 1, p.worker])
         sizes = iter_lengths(p.lengths, seed=[p.seed, 2, p.worker]) if self.gen else None
         left = [math.inf if p.max_requests is None else p.max_requests]
+        # a mix: each request's flow drawn as it goes, and a flow's own texts and lengths where it has them
+        draw = _FlowDraw(p, texts, sizes) if p.flows else None
 
         async def user() -> None:
             next_s = 0.0
             while next_s < p.duration_s and left[0] > 0:
                 left[0] -= 1
                 await self._until(next_s)
-                text, n = next(texts), next(sizes) if sizes else None
-                done = await self._send(client, -1, next_s, self._body(text, n), len(text), n)
+                if draw is None:
+                    k, text, n = -1, next(texts), next(sizes) if sizes else None
+                else:
+                    k, text, n = draw.next()
+                done = await self._send(client, -1, next_s, self._body(text, n, k), len(text), n, k)
                 next_s = done + p.think_s
 
         await asyncio.gather(*(user() for _ in range(p.users)))
@@ -227,6 +241,24 @@ class Worker:
             for task in list(tasks):
                 task.cancel()  # probes still out when the load ends are dropped
             await client.aclose()
+
+
+class _FlowDraw:
+    """A closed loop's flows, drawn request by request (seeded per process), with their texts and lengths."""
+
+    def __init__(self, p: Plan, texts, sizes) -> None:
+        mix = Mix(p.flows)
+        self.rng = mix.rng([p.seed, p.worker])
+        self.shares = mix.shares
+        self.texts = [iter_payloads(f.payload, seed=[p.seed, 1, p.worker, k]) if f.payload is not None else texts
+                      for k, f in enumerate(p.flows)]
+        self.sizes = [iter_lengths(f.new_tokens, seed=[p.seed, 2, p.worker, k]) if sizes and f.new_tokens is not None
+                      else sizes for k, f in enumerate(p.flows)]
+
+    def next(self) -> tuple[int, str, int | None]:
+        k = int(self.rng.choice(len(self.shares), p=self.shares))
+        sizes = self.sizes[k]
+        return k, next(self.texts[k]), next(sizes) if sizes else None
 
 
 async def run_here(plan: Plan, on_count: Callable[[int], None]) -> dict[str, Any]:
