@@ -143,3 +143,19 @@ def test_routeperf_smoke_simulates_every_policy_row(tmp_path: Path) -> None:
     assert set(runs["theory"]) == {"random", "pow2", "least-loaded", "round-robin"}
     assert runs["theory"]["least-loaded"]["mean"] < runs["theory"]["pow2"]["mean"] < runs["theory"]["random"]["mean"]
     assert runs["cache"]["prefix-aware"]["hit_rate"] > runs["cache"]["pow2"]["hit_rate"]
+
+
+def test_overload_smoke_measures_every_discipline_priority_and_tenant(tmp_path: Path) -> None:
+    out = tmp_path / "overload.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overload.py"), "--smoke", "--encoder-models",
+                          "synthetic:20+2", "--seconds", "2", "--recovery", "2", "--probe-s", "2", "--interactive", "20",
+                          "--unloaded-rate", "20", "--fair-s", "2", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    numbers = json.loads(out.read_text())
+    runs = numbers["runs"]["encoders"]["synthetic:20+2"]["runs"]
+    assert set(runs) == {"fifo", "fifo+cap", "codel", "adaptive-lifo", "deadline"}
+    # at twice the capacity the capped queue and deadline admission refused some, each with its reason
+    assert runs["fifo+cap"]["reasons"].get("queue-full", 0) > 0 and runs["deadline"]["reasons"].get("deadline", 0) > 0
+    assert all(r["target"] in run.stdout for r in numbers["rows"])
+    assert set(numbers["runs"]["fair"]) == {"fcfs", "fair"}

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config import DEFAULT_STRATEGY
 from ..strategies import Limits, strategy_names
+from ..strategies.overload import DISCIPLINES, SCHEDULING
 
 __all__ = ["add_load_args", "add_model_args", "add_strategy_args", "limits_from", "load_options",
            "wants_generation"]
@@ -64,6 +65,36 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
     p.add_argument("--eos-prob", type=float, default=_LIMITS.eos_prob,
                    help="gen-*: a stand-in for a trained model's EOS: each token ends its answer with this "
                         "probability (random weights never choose EOS; default: %(default)s)")
+    over = p.add_argument_group("under overload (docs/overload.md)")
+    over.add_argument("--queue", default=_LIMITS.queue, choices=sorted(DISCIPLINES),
+                      help="queue discipline within a priority class (default: %(default)s)")
+    over.add_argument("--codel-target-ms", type=float, default=_LIMITS.codel_target_ms,
+                      help="codel: while a queue stands, shed whoever waited longer (default: %(default)s)")
+    over.add_argument("--codel-interval-ms", type=float, default=_LIMITS.codel_interval_ms,
+                      help="a queue stands when not empty for this long (default: %(default)s)")
+    over.add_argument("--admit", default=_LIMITS.admit, choices=["all", "deadline"],
+                      help="deadline: refuse at once (503) what is expected past --timeout-ms (default: %(default)s)")
+    over.add_argument("--scheduling", default=_LIMITS.scheduling, choices=sorted(SCHEDULING),
+                      help="gen-*: who joins first: fcfs, priority (preempts a lower class), fair (per x-tenant), "
+                           "slo (earliest TTFT deadline; TPOT caps the batch) (default: %(default)s)")
+    over.add_argument("--ttft-target", type=class_targets, default=None, metavar="CLASS=MS,...",
+                      help="--scheduling slo: TTFT target per priority class, e.g. 0=500,1=5000")
+    over.add_argument("--tpot-target", type=class_targets, default=None, metavar="CLASS=MS,...",
+                      help="--scheduling slo: TPOT target per priority class, e.g. 0=100")
+
+
+def class_targets(text: str) -> dict[int, float]:
+    """``"0=500,1=5000"`` -> {0: 500.0, 1: 5000.0}: a target in ms per priority class."""
+    out = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        try:
+            out[int(key)] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected CLASS=MS pairs such as 0=500,1=5000, got {part!r}") from None
+        if not sep or out[int(key)] <= 0:
+            raise argparse.ArgumentTypeError(f"expected CLASS=MS with MS > 0, got {part!r}")
+    return out
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -81,6 +112,13 @@ def limits_from(args: argparse.Namespace) -> Limits:
         max_prefill_tokens=args.max_prefill_tokens,
         max_step_tokens=args.max_step_tokens,
         eos_prob=args.eos_prob,
+        queue=args.queue,
+        codel_target_ms=args.codel_target_ms,
+        codel_interval_ms=args.codel_interval_ms,
+        admit=args.admit,
+        scheduling=args.scheduling,
+        ttft_targets_ms=args.ttft_target,
+        tpot_targets_ms=args.tpot_target,
     )
 
 

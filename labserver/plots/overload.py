@@ -66,7 +66,7 @@ def _left_queue_s(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     if {"arrival_s", "left_s"} <= set(frame.columns):
         return frame["arrival_s"].to_numpy(dtype=float), frame["left_s"].to_numpy(dtype=float)
     arrival = frame["scheduled_s"].to_numpy(dtype=float)
-    left = (frame["sent_s"] + frame["queue_ms"].fillna(0.0) / 1000.0).to_numpy(dtype=float)
+    left = (frame["sent_s"] + frame["queue_ms"].fillna(0.0) / 1000.0).to_numpy(dtype=float, copy=True)
     refused = (frame["status"] != 200).to_numpy()
     left[refused] = frame.loc[refused, "done_s"].to_numpy(dtype=float)  # refused or shed: gone then
     return arrival, left
