@@ -110,14 +110,17 @@ class ItemQueue:
         self._prune()
         return not len(self.line)
 
-    def _prune(self) -> None:
-        for _ in range(self.line.remove_if(lambda item: item.future.done())):
+    def _prune(self, everywhere: bool = False) -> None:
+        """Drop the gone (counted): from the ends of each class, where the next pick comes from, or
+        ``everywhere``; then let the discipline shed."""
+        dead = lambda item: item.future.done()  # noqa: E731
+        for _ in range(self.line.remove_if(dead) if everywhere else self.line.prune_ends(dead)):
             self._on_skip()
         self.line.shed(self.clock())
 
     def waiting(self) -> list[Any]:
         """The live requests, the best class first, arrival order within one (the dead dropped and counted)."""
-        self._prune()
+        self._prune(everywhere=True)
         return list(self.line)
 
     def take(self, items: list[Any]) -> None:
@@ -139,6 +142,9 @@ class ItemQueue:
         while True:
             self._prune()
             item = self.line.pop(self.clock())
+            if item is not None and item.future.done():  # gone from the middle of a class: skip it
+                self._on_skip()
+                continue
             if item is not None:
                 return item
             remaining = None if end_s is None else end_s - loop.time()

@@ -112,7 +112,12 @@ class CoDel(Discipline):
     def shed(self, line: Sequence[Any], now: float, standing: bool) -> list[Any]:
         if not standing:
             return []  # everyone here came since the queue was last empty: none waited a whole interval
-        return [item for item in line if now - item.enqueued_s > self.target_s]
+        shed = []
+        for item in line:  # in arrival order: the ones past the target are a prefix
+            if now - item.enqueued_s <= self.target_s:
+                break
+            shed.append(item)
+        return shed
 
 
 def make_discipline(limits: Any) -> Discipline:
