@@ -187,9 +187,12 @@ def fair_rows(args: argparse.Namespace) -> dict[str, Any]:
         print(f"tenants: {scheduling} ...", file=sys.stderr)
         with labserver.serve("gen-continuous", GEN_MODEL, max_batch_size=8, scheduling=scheduling) as h:
             heavy, light = asyncio.run(two_tenants(h.url, args))
-        # tokens served while both waited: up to the end of the shorter of the two runs' sending
-        end = min(heavy.records["scheduled_s"].max(), light.records["scheduled_s"].max())
-        served = {name: int((res.tokens["t_s"] <= end).sum()) for name, res in (("heavy", heavy), ("light", light))}
+        # tokens served while both were sending: two generators, two clocks, met on the wall clock
+        runs = {"heavy": heavy, "light": light}
+        t0 = {name: res.meta["t0_unix_s"] for name, res in runs.items()}
+        start = max(t0.values())
+        end = min(t0[name] + res.records["scheduled_s"].max() for name, res in runs.items())
+        served = {name: int(res.tokens["t_s"].add(t0[name]).between(start, end).sum()) for name, res in runs.items()}
         out[scheduling] = {"light_share": per(served["light"], served["light"] + served["heavy"]), "tokens": served,
                            "requests": {"heavy": len(heavy.records), "light": len(light.records)}}
     return out
