@@ -94,7 +94,8 @@ def test_reduced_soak_every_request_one_outcome(strategy: str, model_spec: str, 
     rng = random.Random(7)
     n, burst = 300, 40
     plan = [Outcome(rng.randint(4, 40), rng.random() < poison, rng.randint(1, 3) if rng.random() < 0.2 else None,
-                    headers={"x-priority": str(k % 3), "x-tenant": "light" if k % 5 == 0 else "heavy"})
+                    headers={"x-priority": str(k % 3), "x-tenant": "light" if k % 5 == 0 else "heavy"}
+                    if "scheduling" in knobs else {})  # classes and tenants where a policy reads them
             for k in range(n)]
     with labserver.serve(strategy, model, max_batch_size=8, max_queue=24, timeout_ms=400, **knobs) as h:
 
