@@ -229,7 +229,7 @@ def capacity(model: Any, texts: Sequence[str], *, batch: int = 1, calls: int = 2
     else:
         words = np.array([len(text.split()) for text in pool])
         tokens = f"{words.min()}-{words.max()} words (median {np.median(words):.0f})"
-    dev = getattr(model, "device", None)
+    dev = getattr(model, "device", None) or getattr(getattr(model, "pipe", None), "device", None)  # (fill-mask)
     return Capacity(items_per_s=batch * 1000 / ms, ms_per_call=ms, batch=batch,
                     device=device_label(str(dev)) if dev is not None else device_label("cpu"), tokens=tokens,
                     calls=calls, spread=spread(took))
