@@ -273,6 +273,22 @@ def row(name: str, value: float, goal: str, passed: bool | None, detail: str) ->
     return {"target": name, "value": value, "goal": goal, "result": result, "detail": detail}
 
 
+def write_results(out_path: str, numbers: dict[str, Any], rows: list[dict[str, Any]], footer: str,
+                  width: int = 60) -> None:
+    """Print the goal table and write every number as JSON at ``out_path`` with the table beside it (.txt).
+
+    overload.py, routeperf.py and servedperf.py share it: one shape for every results/<name>/cpu.txt.
+    """
+    lines = [f"$ python {' '.join(sys.argv)}", "", f"{'target':<{width}}{'value':>8}  {'goal':<9}{'result':<7}detail"]
+    lines += [f"{r['target']:<{width}}{r['value']:>8.3f}  {r['goal']:<9}{r['result']:<7}{r['detail']}" for r in rows]
+    lines.append(footer)
+    print("\n".join(lines[2:]))
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(numbers, indent=1, default=str))
+    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+
+
 def per(a: float, b: float) -> float:
     """a / b, NaN where b is 0 (a run that measured nothing: its row FAILs, a smoke check names it)."""
     return a / b if b else math.nan

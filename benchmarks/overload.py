@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
-from genperf import Checks, per, row  # (benchmarks/ is the script's folder: on the path)
+from genperf import Checks, per, row, write_results  # (benchmarks/ is the script's folder: on the path)
 
 import labserver
 from labserver import analysis
@@ -267,14 +265,8 @@ def main() -> int:
     rows = rows_of(m)
     seconds = time.perf_counter() - started
     numbers = {"machine": machine_info("cpu"), "args": vars(args), "runs": m, "rows": rows, "seconds": seconds}
-    lines = [f"$ python {' '.join(sys.argv)}", "", f"{'target':<64}{'value':>8}  {'goal':<9}{'result':<7}detail"]
-    lines += [f"{r['target']:<64}{r['value']:>8.3f}  {r['goal']:<9}{r['result']:<7}{r['detail']}" for r in rows]
-    lines.append(f"({seconds:.0f} s, live: server and load generator on the same cores)")
-    print("\n".join(lines[2:]))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(numbers, indent=1, default=str))
-    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    write_results(args.out, numbers, rows, f"({seconds:.0f} s, live: server and load generator on the same cores)",
+                  width=64)
     if args.smoke:
         return smoke_checks(m, rows).verdict()
     return 0 if all(r["result"] != "FAIL" for r in rows) else 1

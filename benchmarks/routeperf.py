@@ -39,14 +39,12 @@ answers named by replicas), not the goals; ``--no-live`` runs the simulation onl
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from genperf import Checks, per, row  # (benchmarks/ is the script's folder: on the path)
+from genperf import Checks, per, row, write_results  # (benchmarks/ is the script's folder: on the path)
 
 import labserver
 from labserver import analysis
@@ -256,14 +254,8 @@ def main() -> int:
         rows += live_rows(m["live"])
     seconds = time.perf_counter() - started
     numbers = {"machine": machine_info("cpu"), "args": vars(args), "runs": m, "rows": rows, "seconds": seconds}
-    lines = [f"$ python {' '.join(sys.argv)}", "", f"{'target':<60}{'value':>8}  {'goal':<9}{'result':<7}detail"]
-    lines += [f"{r['target']:<60}{r['value']:>8.3f}  {r['goal']:<9}{r['result']:<7}{r['detail']}" for r in rows]
-    lines.append(f"({seconds:.0f} s; rows 1-4 simulated (times in mean service times), 5-7 live on Ray Serve)")
-    print("\n".join(lines[2:]))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(numbers, indent=1, default=str))
-    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    write_results(args.out, numbers, rows,
+                  f"({seconds:.0f} s; rows 1-4 simulated (times in mean service times), 5-7 live on Ray Serve)")
     if args.smoke:
         check = smoke_checks({k: v for k, v in m.items() if k != "live"}, rows)
         if args.live:
