@@ -16,6 +16,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pandas as pd
@@ -91,6 +92,21 @@ def make_server(app, keep_alive_s: float = 5) -> uvicorn.Server:
     return uvicorn.Server(config)
 
 
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """A uvicorn server for ``app`` on its own thread, on a loopback port; yields its URL."""
+    sock = listening_socket()
+    server = make_server(app)
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),), daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
 class Stub:
     def __init__(self, url: str, seen: list[dict]):
         self.url, self.seen = url, seen
@@ -99,14 +115,8 @@ class Stub:
 @pytest.fixture(scope="module")
 def stub():
     seen: list[dict] = []
-    sock = listening_socket()
-    server = make_server(make_app(seen))
-    thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),), daemon=True)
-    thread.start()
-    yield Stub(f"http://127.0.0.1:{sock.getsockname()[1]}", seen)
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serving(make_app(seen)) as url:
+        yield Stub(url, seen)
 
 
 @contextlib.asynccontextmanager

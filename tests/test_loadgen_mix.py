@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import threading
 
 import numpy as np
 import pandas as pd
@@ -30,7 +29,7 @@ from labserver.load.mix import Flow, Mix, make_mix, parse_mix
 from labserver.loadgen import RECORD_COLUMNS, LoadResult, LoadSpec, _plan, run_load_sync
 
 from .test_analysis import make_records
-from .test_loadgen import assert_record_shape, listening_socket, make_server
+from .test_loadgen import assert_record_shape, serving
 
 FAST = dict(process=False, progress=False)
 NONE = "<none>"  # what the stub notes for a header not sent
@@ -90,14 +89,8 @@ class Stub:
 @pytest.fixture(scope="module")
 def stub():
     seen: list[dict] = []
-    sock = listening_socket()
-    server = make_server(make_app(seen))
-    thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),), daemon=True)
-    thread.start()
-    yield Stub(f"http://127.0.0.1:{sock.getsockname()[1]}", seen)
-    server.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serving(make_app(seen)) as url:
+        yield Stub(url, seen)
 
 
 def assert_headers_match(saw: pd.DataFrame, mix: Mix) -> None:
