@@ -20,20 +20,12 @@ from ..strategies.overload import FIFO, Discipline, priority_of
 __all__ = ["Line"]
 
 
-class _Defaults:  # what a discipline reads of Limits, at their defaults
-    codel_target_ms = 5.0
-    codel_interval_ms = 100.0
-
-
-_DEFAULTS = _Defaults()
-
-
 class Line:
     """Requests waiting, by class; ``pop`` hands out the discipline's pick and sheds its refusals."""
 
     def __init__(self, discipline: Discipline | None = None, on_shed: Callable[[Any, str], None] = lambda item, why: None,
                  now: float = 0.0) -> None:
-        self.discipline = discipline if discipline is not None else FIFO(_DEFAULTS)
+        self.discipline = discipline if discipline is not None else FIFO()
         self._on_shed = on_shed  # a request the discipline refused: answer it (503) and count it
         self._classes: dict[int, deque[Any]] = {}
         self.last_empty_s = now  # the last time nobody waited

@@ -83,7 +83,6 @@ class VirtualQueue:
         self.cost = BatchCost()  # what admit="deadline" expects a batch to cost, fitted as the engine fits it
         self.busy_until_s = 0.0  # the batch in the model is expected to be done then
         self.batch_cap = batch_cap  # the most one batch carries (the strategy's)
-        self._n = 0
 
     def __len__(self) -> int:
         return len(self.line)
@@ -128,11 +127,10 @@ class VirtualQueue:
             self._expire(t)
             priority = self._classes[k] if k < len(self._classes) else 0
             timeout_ms = self.limits.timeout_ms if self.limits is not None else None
-            item = Item(f"#{self._n}", self._future, enqueued_s=t, request_id=str(len(self.outcomes)),
+            item = Item(f"#{len(self.outcomes)}", self._future, enqueued_s=t, request_id=str(len(self.outcomes)),
                         deadline_s=t + timeout_ms / 1000 if timeout_ms is not None else math.inf, priority=priority)
             outcome = Outcome(t, priority)
             self.outcomes.append(outcome)
-            self._n += 1
             if self._door(item, outcome):
                 self.line.put(item)
         self._expire(self.now_s)

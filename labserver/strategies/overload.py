@@ -59,9 +59,10 @@ class Discipline:
 
     name: ClassVar[str] = ""
 
-    def __init__(self, limits: Any) -> None:
-        self.target_s = limits.codel_target_ms / 1000
-        self.interval_s = limits.codel_interval_ms / 1000
+    def __init__(self, limits: Any = None) -> None:
+        """``limits``: the strategy's (its codel_* knobs); None: CoDel's defaults, 5 and 100 ms."""
+        self.target_s = getattr(limits, "codel_target_ms", 5.0) / 1000
+        self.interval_s = getattr(limits, "codel_interval_ms", 100.0) / 1000
 
     def standing(self, now: float, last_empty_s: float) -> bool:
         """A queue stands when it has not been empty for a whole interval."""
