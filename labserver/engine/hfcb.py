@@ -62,7 +62,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..models import InputRejected, ModelError, Sampling, on_fresh_thread
+from ..models import InputRejected, ModelError, ModelLoadError, Sampling, on_fresh_thread
 from ..strategies import GenStrategy
 from .genbase import GenCounters, GenEngine
 from .sequence import Seq
@@ -243,10 +243,25 @@ class HFManager:
             logger.exception("callback for request %s failed", rid)
 
 
+def _check_transformers() -> None:
+    """The manager's configuration as ``HFManager`` writes it (``page_size``: transformers 5.24 takes it;
+    5.17's has no such field), else a startup error that says which transformers this is."""
+    import transformers
+    from transformers import ContinuousBatchingConfig
+
+    try:
+        ContinuousBatchingConfig(page_size=PAGE_TOKENS, num_blocks=1, max_batch_tokens=PAGE_TOKENS, seed=0)
+    except TypeError as e:
+        raise ModelLoadError(f"gen-hf-cb drives transformers' continuous batching manager as transformers 5.24 "
+                             f"configures it; this transformers ({transformers.__version__}) does not take that "
+                             f"configuration ({e}): upgrade transformers, or serve gen-continuous") from None
+
+
 class HFEngine(GenEngine):
     """``gen-hf-cb``: queued sequences handed to transformers' manager, as many as the strategy admits."""
 
     def __init__(self, strategy: GenStrategy, model: GPT2Gen, **kwargs: Any) -> None:
+        _check_transformers()  # at startup: a manager that cannot be built would fail the worker later
         super().__init__(strategy, model, GenCounters(), **kwargs)
         self.in_flight: list[Seq] = []  # handed over and not yet answered: the running ones
         self._room = asyncio.Event()  # set whenever one leaves

@@ -81,7 +81,12 @@ class Runtime:
             # GIL). Freezing moves everything that exists now, the model included, out of the
             # collector's sight, so later collections walk only what serving allocates.
             gc.freeze()
-        self.engine = self.engine_factory(self.strategy, self.model)
+        try:
+            self.engine = self.engine_factory(self.strategy, self.model)
+        except ModelLoadError as e:  # an engine that cannot drive this model here (say, its library's version)
+            self.state, self.load_error = "failed", str(e)
+            logger.error("strategy %r cannot serve %r: %s", self.strategy.name, cfg.model, e)
+            return
         self.engine.start()
         self.state = "ready"
         logger.info("serving %s with strategy %s", getattr(self.model, "name", cfg.model), self.strategy.name)
