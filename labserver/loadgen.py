@@ -7,6 +7,10 @@ whatever the server does; closed loop runs N users that each wait for an answer
 stalled server or a stalled client cannot hide queueing (no coordinated omission),
 and ``send_latency_ms`` is what a naive client would report, kept for comparison.
 
+``mode="json"`` with ``texts_per_request=N`` sends each request as a JSON list of N texts
+(``{"inputs": [t1, ..., tN]}``), drawn from the payload in order; its ``input_chars`` is
+their sum, and ``input_tokens`` is the server's count (``x-input-tokens``) when it sends one.
+
 ``mode="generate"`` loads a generative server instead: it posts
 ``{"prompt", "max_new_tokens", "stream", "ignore_eos"}`` to ``/generate``, reads the
 event stream, and records time to first token and each token's arrival, also from
@@ -63,7 +67,7 @@ from .load.clients import CLIENTS, check_target
 from .load.lengths import LengthsLike, make_lengths, take_lengths
 from .load.loops import run_on_fresh_loop
 from .load.mix import Flow, Mix, MixLike, make_mix, parse_mix
-from .load.payloads import PayloadLike, take_payloads
+from .load.payloads import PayloadLike, take_payloads, take_requests
 from .load.plan import Plan
 from .load.processes import run_in_processes
 from .load.results import PROBE_COLUMNS, RECORD_COLUMNS, TOKEN_COLUMNS, LoadResult, build_records
@@ -91,6 +95,7 @@ class LoadSpec:
     think_s: float = 0.0  # closed loop: pause between a user's answer and its next send
     payload: PayloadLike = "hello world"  # str, WordTexts, FileLines/Path, or any iterable (generate: prompts)
     mode: str = "text"  # "text": POST text/plain body; "json": POST {"inputs": text}; "generate": POST {"prompt", ...}
+    texts_per_request: int = 1  # mode "json": above 1, each request is {"inputs": [N texts of payload, in order]}
     api: str = "labserver"  # or "openai-completions", "openai-chat", "openai-embeddings" (then mode is not used)
     model: str | None = None  # OpenAI APIs: the model name to send; None: the first of the server's GET /v1/models
     path: str | None = None  # None -> url's own path, else the api's (labserver: "/", "/predict", "/generate")
@@ -129,6 +134,12 @@ class LoadSpec:
             raise ValueError("processes must be >= 1, and process=True to use more than one")
         if self.max_in_flight < self.processes:
             raise ValueError("max_in_flight must be at least the number of processes")
+        n = self.texts_per_request
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"texts_per_request must be an int >= 1, got {n!r}")
+        if n > 1 and (self.api != "labserver" or self.mode != "json"):
+            raise ValueError(f"texts_per_request={n} posts {{\"inputs\": [...]}} lists, which only mode='json' of "
+                             f"api='labserver' sends (--mode json); got mode={self.mode!r}, api={self.api!r}")
         self.mix = make_mix(self.mix)
         if self.mix is not None:
             self.mix.check(generative=self.generative)
@@ -238,9 +249,10 @@ def run_load_sync(url: str | LoadSpec, **options: Any) -> LoadResult:
 
 def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
     n_proc = spec.processes if spec.process else 1
+    per = spec.texts_per_request
     base = dict(url=spec.target_url(), mode=spec.mode, client=spec.client, timeout_s=spec.timeout_s,
                 overflow=spec.overflow, drain_s=spec.drain_s, seed=spec.seed, stream=spec.stream,
-                ignore_eos=spec.ignore_eos, api=spec.api, model=spec.model or "")
+                ignore_eos=spec.ignore_eos, api=spec.api, model=spec.model or "", texts_per_request=per)
     generate = spec.generative
     mix = spec.mix
     plans: list[Plan] = []
@@ -253,7 +265,7 @@ def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
             if spec.max_requests is None:
                 raise ValueError("a generator of payloads cannot be shipped to a generator process: "
                                  "pass a list, give max_requests, or use process=False")
-            texts = take_payloads(spec.payload, spec.max_requests, seed=[spec.seed, 1])
+            texts = take_payloads(spec.payload, spec.max_requests * per, seed=[spec.seed, 1])
         for w in range(n_proc):
             share = len(range(w, spec.max_requests, n_proc)) if spec.max_requests is not None else None
             plans.append(Plan(worker=w, index=np.empty(0, int), scheduled_s=np.empty(0),
@@ -266,11 +278,11 @@ def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
     else:
         arrival = make_arrival(spec.arrival or "poisson", spec.rate_per_s)
         times = arrival.times(spec.duration_s, spec.max_requests, seed=spec.seed)
-        texts = take_payloads(spec.payload, len(times), seed=[spec.seed, 1])
+        texts = take_requests(spec.payload, len(times), per, seed=[spec.seed, 1])
         sizes = take_lengths(spec.new_tokens, len(times), seed=[spec.seed, 2]) if generate else None
         flow = mix.assign(len(times), seed=spec.seed) if mix else None
         if mix:
-            mix.place_own(flow, texts, sizes, spec.seed)
+            mix.place_own(flow, texts, sizes, spec.seed, per)
         index = np.arange(len(times))
         for w in range(n_proc):  # round-robin keeps every process's share evenly spread in time
             plans.append(Plan(worker=w, index=index[w::n_proc], scheduled_s=times[w::n_proc],

@@ -167,7 +167,8 @@ def test_server_headers_become_columns_and_missing_ones_are_nan(stub, client):
     bare = run_load_sync(stub.url, path="/bare", arrival="constant", rate_per_s=200, max_requests=5,
                          client=client, **FAST).records
     assert (bare["status"] == 200).all()
-    for col in ("queue_ms", "compute_ms", "server_ms", "batch_size", "batch_id", "dispatch", "request_id"):
+    for col in ("queue_ms", "compute_ms", "server_ms", "batch_size", "batch_id", "dispatch", "request_id",
+                "input_tokens"):
         assert bare[col].isna().all(), col
     assert_record_shape(bare)
 

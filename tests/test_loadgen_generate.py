@@ -445,7 +445,7 @@ def test_csv_round_trip_keeps_the_tokens(fake, tmp_path):
 def test_old_csv_files_load_with_empty_generation_columns(tmp_path):
     old_columns = [c for c in RECORD_COLUMNS if c not in
                    ("first_token_s", "n_tokens", "max_new_tokens", "finish_reason", "ttft_ms", "tpot_ms", "replica",
-                    "reason", "flow", "priority", "tenant")]
+                    "reason", "flow", "priority", "tenant", "input_tokens")]
     old = make_records([10.0, 20.0]).assign(process=0, warmup=False)
     old["batch_size"] = old["batch_size"].astype("Int64")
     old["batch_id"] = old["batch_id"].astype("Int64")
@@ -456,4 +456,4 @@ def test_old_csv_files_load_with_empty_generation_columns(tmp_path):
     assert back.records["ttft_ms"].isna().all() and back.tokens.empty
     assert "ttft_p50_ms" not in back.summary()
     assert (back.records["reason"] == "").all() and (back.records["flow"] == "").all()
-    assert back.records["priority"].isna().all()
+    assert back.records["priority"].isna().all() and back.records["input_tokens"].isna().all()

@@ -143,16 +143,22 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=10.0, help="seconds of sending (default: %(default)s)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds left out of the summary (default: %(default)s)")
     p.add_argument("--mode", default=None, choices=["text", "json", "generate"],
-                   help="POST / text, /predict JSON, or /generate (default: text; generate for gen-* strategies)")
+                   help="POST / text, /predict JSON, or /generate (default: text; json with --texts-per-request "
+                        "above 1; generate for gen-* strategies)")
+    p.add_argument("--texts-per-request", type=int, default=1, metavar="N",
+                   help="--mode json: each request is {\"inputs\": [N texts]}, drawn from the payload in order "
+                        "(default: %(default)s, {\"inputs\": text})")
     p.add_argument("--new-tokens", default="uniform:16:256",
-                   help="generate: tokens each request asks for: N, uniform:LO:HI, geometric:MEAN[:LO:HI] or "
-                        "replay:FILE (default: %(default)s)")
+                   help="generate: tokens each request asks for: N, uniform:LO:HI, geometric:MEAN[:LO:HI], "
+                        "lognormal:MEDIAN:SIGMA[:LO:HI] or replay:FILE (default: %(default)s)")
     p.add_argument("--no-stream", action="store_true", help="generate: one JSON answer instead of a token stream")
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="generate: let EOS end an answer early (default: ask for exactly --new-tokens)")
     p.add_argument("--prompt-tokens", default=None,
-                   help="prompts of this many tokens: N, uniform:LO:HI, geometric:MEAN[:LO:HI] or replay:FILE "
-                        "(words of the built-in list, one token each in the bundled vocabulary)")
+                   help="texts of this many tokens, for any mode or api (encoder texts as well as prompts): N, "
+                        "uniform:LO:HI, geometric:MEAN[:LO:HI], lognormal:MEDIAN:SIGMA[:LO:HI] (e.g. "
+                        "lognormal:20:1.1:1:254: most texts short, a tail up to MiniLM's 256 with its 2 special "
+                        "tokens) or replay:FILE (words of the built-in list, one token each in the bundled vocabulary)")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="every prompt starts with the same prefix of this many tokens (then --prompt-tokens own)")
     p.add_argument("--tokenizer", default=None,
@@ -188,10 +194,11 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
     from ..load.lengths import parse_lengths
 
     if args.mode is None:
-        args.mode = "generate" if (args.strategy or "").startswith("gen-") else "text"
+        generate = (args.strategy or "").startswith("gen-")
+        args.mode = "generate" if generate else "json" if args.texts_per_request > 1 else "text"
     opts: dict[str, Any] = dict(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
                                 mode=args.mode, api=args.api, processes=args.processes,
-                                allow_remote=args.allow_remote)
+                                allow_remote=args.allow_remote, texts_per_request=args.texts_per_request)
     if args.url and args.api != "labserver":
         opts["model"] = args.model  # the name to send (None: ask the server's /v1/models)
     if args.concurrency:

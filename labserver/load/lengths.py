@@ -1,7 +1,8 @@
-"""How many tokens each generation request asks for: output length distributions.
+"""Length distributions: how many tokens each generation request asks for, or each prompt holds.
 
 A length source turns (count, rng) into an array of positive ints, the
-``max_new_tokens`` of successive requests; like the arrival processes and payloads
+``max_new_tokens`` of successive requests (or, given to ``labserver.load.prompts.TokenPrompts``,
+the tokens of successive texts, for generation or encoder loads); like the arrival processes and payloads
 in ``labserver.load.arrivals`` it is plain numpy, seeded and drawn before a run, so a
 run is reproducible and can be split over processes. Prompts are not here: they
 are payloads (``WordTexts``, ``FileLines``, lists) as for any other load.
@@ -16,13 +17,15 @@ import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
-__all__ = ["LENGTHS", "ConstantLength", "GeometricLength", "Lengths", "ReplayLengths", "UniformLength",
-           "iter_lengths", "make_lengths", "take_lengths"]
+__all__ = ["LENGTHS", "ConstantLength", "GeometricLength", "Lengths", "LognormalLength", "ReplayLengths",
+           "UniformLength", "iter_lengths", "make_lengths", "take_lengths"]
 
 _CHUNK = 1024  # lengths drawn per round by the endless iterator (closed loop)
+_Z99 = NormalDist().inv_cdf(0.99)  # the standard normal's 99th percentile, 2.326
 
 
 class Lengths:
@@ -98,6 +101,53 @@ class GeometricLength(Lengths):
         return float(self.mean_tokens)
 
 
+@dataclass(frozen=True)
+class LognormalLength(Lengths):
+    """Lognormal with median ``median`` and log-spread ``sigma``, rounded and clipped to [lo, hi].
+
+    Text lengths in real traffic look like this: most short, a long tail of long ones
+    (an embedding workload's search queries beside its documents). ``from_p99`` gives the
+    ``sigma`` for a wanted 99th percentile. The clipping moves the mean: ``mean()`` is the
+    unclipped one, ``median * exp(sigma**2 / 2)``.
+    """
+
+    median: float
+    sigma: float
+    lo: int = 1
+    hi: int = 2048
+
+    def __post_init__(self) -> None:
+        if not (self.median >= 1 and math.isfinite(self.median)):
+            raise ValueError(f"LognormalLength needs a finite median >= 1, got {self.median}")
+        if not (self.sigma >= 0 and math.isfinite(self.sigma)):
+            raise ValueError(f"LognormalLength needs a finite sigma >= 0, got {self.sigma}")
+        _check_positive("LognormalLength lo", self.lo)
+        if self.hi < self.lo:
+            raise ValueError(f"LognormalLength needs lo <= hi, got lo={self.lo}, hi={self.hi}")
+
+    @classmethod
+    def from_p99(cls, median: float, p99: float, lo: int = 1, hi: int = 2048) -> LognormalLength:
+        """The lognormal whose median and 99th percentile (before clipping) are the given ones.
+
+        Most texts short, a few near MiniLM's 256-token limit, as a long-tailed embedding
+        workload has them:
+
+        >>> lengths = LognormalLength.from_p99(20, 256, hi=256)
+        >>> round(lengths.sigma, 3), round(lengths.mean(), 1)
+        (1.096, 36.5)
+        """
+        if not (p99 >= median and math.isfinite(p99)):
+            raise ValueError(f"LognormalLength.from_p99 needs a finite p99 >= median, got median={median}, p99={p99}")
+        return cls(median, math.log(p99 / median) / _Z99, lo, hi)
+
+    def take(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        raw = rng.lognormal(math.log(self.median), self.sigma, n)
+        return np.clip(np.rint(raw), self.lo, self.hi).astype(np.int64)
+
+    def mean(self) -> float:
+        return self.median * math.exp(self.sigma**2 / 2)
+
+
 class ReplayLengths(Lengths):
     """Given lengths (a list or an array), in order, started again when used up."""
 
@@ -123,7 +173,8 @@ class ReplayLengths(Lengths):
 
 
 LENGTHS: dict[str, type[Lengths]] = {
-    "constant": ConstantLength, "uniform": UniformLength, "geometric": GeometricLength, "replay": ReplayLengths,
+    "constant": ConstantLength, "uniform": UniformLength, "geometric": GeometricLength,
+    "lognormal": LognormalLength, "replay": ReplayLengths,
 }
 
 LengthsLike = int | Lengths | Sequence[int] | np.ndarray
@@ -145,7 +196,8 @@ def parse_lengths(text: str) -> Lengths:
     """A length distribution from a short spec, as the command line takes it.
 
     ``64`` (every request asks 64), ``uniform:16:256``, ``geometric:100`` or
-    ``geometric:100:1:512`` (mean, then bounds), ``replay:FILE`` (one int per line).
+    ``geometric:100:1:512`` (mean, then bounds), ``lognormal:20:1.1`` or
+    ``lognormal:20:1.1:1:256`` (median and sigma, then bounds), ``replay:FILE`` (one int per line).
     """
     kind, _, rest = text.partition(":")
     args = rest.split(":") if rest else []
@@ -156,13 +208,16 @@ def parse_lengths(text: str) -> Lengths:
             return UniformLength(int(args[0]), int(args[1]))
         if kind == "geometric" and len(args) in (1, 3):
             return GeometricLength(float(args[0]), *(int(a) for a in args[1:]))
+        if kind == "lognormal" and len(args) in (2, 4):
+            return LognormalLength(float(args[0]), float(args[1]), *(int(a) for a in args[2:]))
         if kind == "replay" and rest:
             from pathlib import Path
 
             return ReplayLengths(int(line) for line in Path(rest).read_text().split())
     except ValueError as e:
         raise ValueError(f"bad lengths {text!r}: {e}") from None
-    raise ValueError(f"bad lengths {text!r}: use N, uniform:LO:HI, geometric:MEAN[:LO:HI] or replay:FILE")
+    raise ValueError(f"bad lengths {text!r}: use N, uniform:LO:HI, geometric:MEAN[:LO:HI], "
+                     "lognormal:MEDIAN:SIGMA[:LO:HI] or replay:FILE")
 
 
 def take_lengths(lengths: LengthsLike, n: int, seed: int | Sequence[int] = 0) -> np.ndarray:

@@ -29,7 +29,7 @@ import numpy as np
 from .. import wire
 from .lengths import (ConstantLength, GeometricLength, LengthsLike, UniformLength, make_lengths, parse_lengths,
                       take_lengths)
-from .payloads import PayloadLike, take_payloads
+from .payloads import Inputs, PayloadLike, take_requests
 
 __all__ = ["Flow", "Mix", "MixLike", "make_mix", "parse_mix"]
 
@@ -151,13 +151,16 @@ class Mix:
             raise ValueError(f"flow(s) {', '.join(own)} set new_tokens, but this load generates no tokens "
                              "(use mode='generate' or an OpenAI completions/chat api)")
 
-    def place_own(self, flow: np.ndarray, texts: list[str], sizes: np.ndarray | None, seed: int) -> None:
+    def place_own(self, flow: np.ndarray, texts: list[Inputs], sizes: np.ndarray | None, seed: int,
+                  per_request: int = 1) -> None:
         """Put each flow's own payload and lengths, where it has them, in its requests' places (in place):
-        flow k's texts are drawn with ``[seed, 1, k]``, its lengths with ``[seed, 2, k]``."""
+        flow k's texts are drawn with ``[seed, 1, k]`` (``per_request`` to a request), its lengths with
+        ``[seed, 2, k]``."""
         for k, f in enumerate(self.flows):
             where = np.flatnonzero(flow == k)
             if f.payload is not None and len(where):
-                for j, text in zip(where.tolist(), take_payloads(f.payload, len(where), seed=[seed, 1, k])):
+                own = take_requests(f.payload, len(where), per_request, seed=[seed, 1, k])
+                for j, text in zip(where.tolist(), own):
                     texts[j] = text
             if f.new_tokens is not None and sizes is not None and len(where):
                 sizes[where] = take_lengths(f.new_tokens, len(where), seed=[seed, 2, k])

@@ -5,7 +5,8 @@ Plain numpy and the standard library, seeded like the arrival processes
 *what* it sends). A payload is one fixed text, a ``WordTexts`` (seeded sentences from
 the built-in word list), the lines of a file, any source with ``take(n, rng)`` (such as
 ``labserver.load.prompts.TokenPrompts``), or an iterable of texts. Output lengths for
-generation are in ``labserver.load.lengths``.
+generation are in ``labserver.load.lengths``. A request carries one text, or (a JSON
+list, ``texts_per_request`` > 1) several drawn in order: ``take_requests``, ``next_request``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["WORDS", "FileLines", "PayloadLike", "PayloadSource", "Sessions", "WordTexts", "iter_payloads",
-           "take_payloads"]
+__all__ = ["WORDS", "FileLines", "Inputs", "PayloadLike", "PayloadSource", "Sessions", "WordTexts", "input_chars",
+           "iter_payloads", "next_request", "take_payloads", "take_requests"]
 
 # A small neutral vocabulary: enough variety for tokenizers, no external file.
 WORDS = tuple("""
@@ -132,6 +133,7 @@ class PayloadSource(Protocol):
 
 
 PayloadLike = str | WordTexts | PayloadSource | FileLines | Path | Iterable[str]
+Inputs = str | list[str]  # what one request carries: a text, or its list of texts
 
 
 def _is_source(payload: object) -> bool:
@@ -169,3 +171,23 @@ def take_payloads(payload: PayloadLike, n: int, seed: int | Sequence[int] = 0) -
     if _is_source(payload):
         return payload.take(n, np.random.default_rng(seed))
     return list(itertools.islice(iter_payloads(payload, seed), n))
+
+
+def take_requests(payload: PayloadLike, n: int, per_request: int = 1,
+                  seed: int | Sequence[int] = 0) -> list[str] | list[list[str]]:
+    """``n`` requests' inputs: the first ``n * per_request`` texts of ``take_payloads``, in lists
+    of ``per_request`` when that is above 1 (so one text per request draws what it always did)."""
+    texts = take_payloads(payload, n * per_request, seed)
+    if per_request == 1:
+        return texts
+    return [texts[k:k + per_request] for k in range(0, len(texts), per_request)]
+
+
+def next_request(texts: Iterator[str], per_request: int = 1) -> Inputs:
+    """The next request's inputs from an endless stream of texts (closed loop)."""
+    return next(texts) if per_request == 1 else [next(texts) for _ in range(per_request)]
+
+
+def input_chars(inputs: Inputs) -> int:
+    """Characters a request carries, summed over its texts."""
+    return len(inputs) if isinstance(inputs, str) else sum(len(t) for t in inputs)

@@ -18,8 +18,12 @@ import numpy as np
 from .. import wire
 from .mix import Flow
 
-__all__ = ["GEN_FIELDS", "HEADER_COLUMNS", "PROBES_IN_FLIGHT", "PROBE_FIELDS", "ROW_FIELDS", "Plan"]
+__all__ = ["GEN_FIELDS", "HEADER_COLUMNS", "HEADER_INPUT_TOKENS", "PROBES_IN_FLIGHT", "PROBE_FIELDS", "ROW_FIELDS",
+           "Plan"]
 
+# An encoder answer's count of the tokens the model computes for the request's texts (special
+# tokens included), summed over a JSON list; named here until labserver.wire names it.
+HEADER_INPUT_TOKENS = "x-input-tokens"
 # server header -> record column (loadgen parses them; missing ones stay None here)
 HEADER_COLUMNS = {
     "queue_ms": wire.HEADER_QUEUE_MS, "compute_ms": wire.HEADER_COMPUTE_MS,
@@ -27,6 +31,7 @@ HEADER_COLUMNS = {
     "dispatch": wire.HEADER_DISPATCH, "server_ms": wire.HEADER_SERVER_MS,
     "request_id": wire.HEADER_REQUEST_ID, "replica": wire.HEADER_REPLICA,
     "reason": wire.HEADER_REASON,  # why a 503/504 was refused or shed
+    "input_tokens": HEADER_INPUT_TOKENS,
 }
 # what a generation answer adds (None/NaN for other modes); token_s is a list of client-clock
 # times (s from the run's start), one per token event, that loadgen turns into its tokens frame
@@ -52,7 +57,7 @@ class Plan:
     drain_s: float | None
     index: np.ndarray  # open loop: global request numbers, and their
     scheduled_s: np.ndarray  # send times, and
-    texts: list[str]  # payloads (closed loop: a pool to cycle, or empty to use payload)
+    texts: list[str] | list[list[str]]  # each request's text(s) (closed loop: a pool to cycle, or empty to use payload)
     users: int = 0  # closed loop from here on
     think_s: float = 0.0
     duration_s: float = math.inf
@@ -69,6 +74,7 @@ class Plan:
     model: str = ""  # OpenAI APIs: the model name every request names
     flows: tuple[Flow, ...] = ()  # a mix's flows (open loop: without payloads, their texts are in texts)
     flow: np.ndarray | None = None  # open loop with a mix: each request's flow, an index into flows
+    texts_per_request: int = 1  # above 1: each request a JSON list of this many texts (mode "json")
 
     def mean_gap_s(self) -> float:
         s = self.scheduled_s

@@ -4,7 +4,9 @@
 schema for every mode: the generation columns are NaN, NA or "" for other runs).
 A run with a mix (``labserver.load.mix``) names each request's ``flow`` and the
 ``priority`` and ``tenant`` it was sent with; ``reason`` is the server's ``x-reason`` on
-a refusal or a shed. A generation run also fills ``LoadResult.tokens``, one row per token event received
+a refusal or a shed; ``input_chars`` is what the request carried (summed over a JSON list
+of texts) and ``input_tokens`` the server's count of its tokens, where it sends one. A
+generation run also fills ``LoadResult.tokens``, one row per token event received
 (``TOKEN_COLUMNS``: the request's ``i``, the token's index ``k`` and its client-clock
 arrival ``t_s``), so inter-token gaps are ``tokens.groupby("i")["t_s"].diff()``.
 
@@ -49,6 +51,9 @@ RECORD_COLUMNS: dict[str, str] = {  # column -> dtype, in order
     "tenant": "str",  # "" when none was sent
     "queue_ms": "float64", "compute_ms": "float64", "batch_size": "Int64", "batch_id": "Int64",
     "dispatch": "str", "server_ms": "float64", "request_id": "str", "replica": "str",
+    # an encoder server's x-input-tokens: tokens the model computed for the request's texts, special
+    # tokens included; NA when the server sends none
+    "input_tokens": "Int64",
     # generation (mode "generate"); for a stream, queue_ms and server_ms come from its done event
     "first_token_s": "float64",  # first token event (one-piece answer: done_s), s
     "n_tokens": "Int64",  # token events received (one-piece answer: its generated_tokens)

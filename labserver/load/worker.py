@@ -27,7 +27,7 @@ from .lengths import iter_lengths
 from .loops import run_on_fresh_loop, spin_s, timer_late_fraction
 from .mix import Mix
 from .openai_sse import OpenAIAnswer
-from .payloads import iter_payloads
+from .payloads import Inputs, input_chars, iter_payloads, next_request
 from .plan import HEADER_COLUMNS, PROBE_FIELDS, PROBES_IN_FLIGHT, ROW_FIELDS, Plan
 from .sse import Answer
 
@@ -57,16 +57,18 @@ class Worker:
         # a mix: each flow's headers (x-priority, x-tenant), sent with each of its requests
         self.flow_headers = [f.headers() or None for f in plan.flows]
         self.flow_k: list[int] = []  # open loop: each request's flow (-1: no mix)
+        self.chars: list[int] = []  # open loop: each request's input_chars
         if plan.users:
             self.bodies = []
         else:  # built before the run: json.dumps is not free at 1000 requests/s
             sizes = plan.new_tokens if self.gen else [None] * len(plan.texts)
             self.flow_k = plan.flow.tolist() if plan.flow is not None else [-1] * len(plan.texts)
             self.bodies = [self._body(t, n, k) for t, n, k in zip(plan.texts, sizes, self.flow_k)]
+            self.chars = [input_chars(t) for t in plan.texts]
         self.t0 = 0.0
         self.spin_s = 0.0
 
-    def _body(self, text: str, new_tokens: int | None = None, flow_k: int = -1) -> bytes:
+    def _body(self, text: Inputs, new_tokens: int | None = None, flow_k: int = -1) -> bytes:
         if self.plan.api != "labserver":
             priority = self.plan.flows[flow_k].priority if flow_k >= 0 else None  # vLLM's body field
             return openai_body(self.plan.api, self.plan.model, text, new_tokens, stream=self.plan.stream,
@@ -74,7 +76,7 @@ class Worker:
         if self.gen:
             return json.dumps({"prompt": text, "max_new_tokens": int(new_tokens), "stream": self.plan.stream,
                                "ignore_eos": self.plan.ignore_eos}).encode()
-        if self.plan.mode == "json":
+        if self.plan.mode == "json":  # a list of texts (texts_per_request > 1) goes as it is
             return json.dumps({"inputs": text}).encode()
         return text.encode()
 
@@ -170,7 +172,7 @@ class Worker:
         async def one(k: int) -> None:
             try:
                 await self._send(client, int(p.index[k]), float(p.scheduled_s[k]), self.bodies[k],
-                                 len(p.texts[k]), asked[k], self.flow_k[k])
+                                 self.chars[k], asked[k], self.flow_k[k])
             finally:
                 limit.release()
 
@@ -179,7 +181,7 @@ class Worker:
             if limit.locked() and p.overflow == "error":
                 gen = (math.nan, 0, asked[k], "", None) if self.gen else _NO_GEN
                 self.rows.append((int(p.index[k]), p.worker, s, math.nan, math.nan, 0, "client_overflow",
-                                  len(p.texts[k]), self.flow_k[k], *_NO_HEADERS, *gen))
+                                  self.chars[k], self.flow_k[k], *_NO_HEADERS, *gen))
                 self.counter.value += 1
                 continue
             await limit.acquire()  # returns at once unless overflow == "wait" and we are full
@@ -206,10 +208,10 @@ class Worker:
                 left[0] -= 1
                 await self._until(next_s)
                 if draw is None:
-                    k, text, n = -1, next(texts), next(sizes) if sizes else None
+                    k, text, n = -1, next_request(texts, p.texts_per_request), next(sizes) if sizes else None
                 else:
                     k, text, n = draw.next()
-                done = await self._send(client, -1, next_s, self._body(text, n, k), len(text), n, k)
+                done = await self._send(client, -1, next_s, self._body(text, n, k), input_chars(text), n, k)
                 next_s = done + p.think_s
 
         await asyncio.gather(*(user() for _ in range(p.users)))
@@ -248,6 +250,7 @@ class _FlowDraw:
 
     def __init__(self, p: Plan, texts, sizes) -> None:
         mix = Mix(p.flows)
+        self.per_request = p.texts_per_request
         self.rng = mix.rng([p.seed, p.worker])
         self.shares = mix.shares
         self.texts = [iter_payloads(f.payload, seed=[p.seed, 1, p.worker, k]) if f.payload is not None else texts
@@ -255,10 +258,10 @@ class _FlowDraw:
         self.sizes = [iter_lengths(f.new_tokens, seed=[p.seed, 2, p.worker, k]) if sizes and f.new_tokens is not None
                       else sizes for k, f in enumerate(p.flows)]
 
-    def next(self) -> tuple[int, str, int | None]:
+    def next(self) -> tuple[int, Inputs, int | None]:
         k = int(self.rng.choice(len(self.shares), p=self.shares))
         sizes = self.sizes[k]
-        return k, next(self.texts[k]), next(sizes) if sizes else None
+        return k, next_request(self.texts[k], self.per_request), next(sizes) if sizes else None
 
 
 async def run_here(plan: Plan, on_count: Callable[[int], None]) -> dict[str, Any]:
