@@ -20,6 +20,7 @@ HEADER_DISPATCH = "x-dispatch-reason"  # why that batch left: full, deadline, id
 HEADER_SERVER_MS = "x-server-ms"  # the handler's start (before the body is read) to the response, ms
 HEADER_REPLICA = "x-replica"  # behind a router (labserver serve --replicas N): the replica that answered
 HEADER_REASON = "x-reason"  # on a 503 or 504: why it was refused or shed (queue-full, codel, deadline, expired, ...)
+HEADER_INPUT_TOKENS = "x-input-tokens"  # encoders: tokens the model computes for the request's texts (its count)
 # sent by a client: the request's priority class (lower is served first, as vLLM's "priority"; default 0)
 # and its tenant (fair shares are kept per tenant; default "")
 HEADER_PRIORITY = "x-priority"
@@ -35,6 +36,7 @@ SERVER_HEADERS = (
     HEADER_SERVER_MS,
     HEADER_REPLICA,
     HEADER_REASON,
+    HEADER_INPUT_TOKENS,
 )
 
 # error "type" -> HTTP status it travels with

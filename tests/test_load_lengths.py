@@ -26,7 +26,7 @@ from labserver.load import lengths
 from labserver.load.lengths import LENGTHS, LognormalLength, parse_lengths, take_lengths
 from labserver.load.mix import Flow
 from labserver.load.payloads import WordTexts
-from labserver.load.plan import HEADER_INPUT_TOKENS
+from labserver.wire import HEADER_INPUT_TOKENS
 from labserver.load.prompts import TokenPrompts
 from labserver.loadgen import LoadResult, LoadSpec, run_load_sync
 

@@ -8,7 +8,8 @@
   and tokens served per tenant over time;
 - ``sweep``: the highest offered rate that meets a latency SLO;
 - ``trust``: when a percentile has enough samples and when late sends matter;
-- ``theory``: M/D/1, M/M/1 and M/G/1 predictions to hold measurements against.
+- ``theory``: M/D/1, M/M/1 and M/G/1 predictions to hold measurements against;
+- ``padding``: the tokens batches compute beyond their texts' own (from the server's batch log).
 
 Nothing here knows of HTTP or matplotlib.
 """
@@ -16,6 +17,7 @@ Nothing here knows of HTTP or matplotlib.
 from __future__ import annotations
 
 from .flows import meets_targets, summarize_flows, tokens_by
+from .padding import batch_frame, padding_share
 from .records import (RUN_KEYS, batch_size_counts, batches, combine, measured, ok, request_phases, run_keys,
                       unpack, window_s)
 from .summary import PERCENTILE_METHOD, PERCENTILES, summarize, summarize_runs, summary_row
@@ -31,12 +33,14 @@ __all__ = [
     "PERCENTILE_METHOD",
     "RUN_KEYS",
     "SweepResult",
+    "batch_frame",
     "batch_size_counts",
     "batches",
     "busy_cycles_ms",
     "capacity_rps",
     "enough",
     "late_matters",
+    "padding_share",
     "combine",
     "combine_tokens",
     "gen_summary",

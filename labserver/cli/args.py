@@ -46,6 +46,9 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
                    help="per-request deadline; 504 after it (default: none)")
     p.add_argument("--no-idle-dispatch", action="store_true",
                    help="deadline/thread: wait for the deadline even when nothing else is queued")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="encoders: a batch's padded tokens (longest x count) at most this; the rest waits for the "
+                        "next (default: none; the tokens strategy: 2048)")
     p.add_argument("--target-ms", type=float, default=_LIMITS.target_ms,
                    help="slo: the latency target; a batch may spend half of it waiting (default: %(default)s)")
     p.add_argument("--max-kv-tokens", type=int, default=None,
@@ -105,6 +108,7 @@ def limits_from(args: argparse.Namespace) -> Limits:
         timeout_ms=args.timeout_ms,
         idle_dispatch=not args.no_idle_dispatch,
         target_ms=args.target_ms,
+        max_batch_tokens=args.max_batch_tokens,
         max_kv_tokens=args.max_kv_tokens,
         kv_block_tokens=args.kv_block_tokens,
         prefix_cache=args.prefix_cache,

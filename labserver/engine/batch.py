@@ -55,6 +55,13 @@ class BatchRecord:
     compute_ms: float = math.nan  # model time, retries included, ms
     failed: int = 0  # items that got a model error
     calls: int = 0  # model calls it took (1 unless a failure made us split it)
+    tokens: int = 0  # tokens its texts hold, as the model counts them (0: a model that cannot count)
+    padded_tokens: int = 0  # tokens the model computes: the longest text's x the count (padding included)
+
+    @property
+    def padding(self) -> float:
+        """The share of the computed tokens that were padding: (padded - real) / padded (0 when not counted)."""
+        return (self.padded_tokens - self.tokens) / self.padded_tokens if self.padded_tokens else 0.0
 
 
 @dataclass(eq=False)
@@ -67,6 +74,7 @@ class Item:
     batch: BatchRecord | None = None  # set when dispatched
     priority: int = 0  # its class: a lower value is served first
     tenant: str = ""
+    tokens: int = 0  # tokens the model computes for this text (special tokens included); 0: not counted
 
     @property
     def queue_ms(self) -> float:
@@ -80,6 +88,8 @@ class BatchCounters(Counters):
     model_calls: int = count("Model calls (more than batches when a failed batch was split and retried)")
     batch_size_histogram: Counter[int] = sizes("Items per batch")
     dispatch_reasons: Counter[str] = tally("Batches by why they left (full, deadline, idle, ...)", "reason")
+    tokens_computed: int = count("Tokens of the texts computed, as the model counts them (0: a model that cannot)")
+    tokens_padded: int = count("Tokens computed with padding: per batch, its longest text's tokens x its size")
 
 
 class BatchEngine(EngineBase):
@@ -93,6 +103,8 @@ class BatchEngine(EngineBase):
         self._ids = itertools.count(1)
         self.cost = BatchCost()  # model ms of a batch of n, fitted to the batches run: what admit="deadline" expects
         self._busy_until_s = 0.0  # when the batch in the model is expected to be done
+        # the model's own count of each text's tokens, when it offers one: token budgets and padding need it
+        self._count: Callable[[list[str]], list[int]] | None = getattr(model, "count_tokens", None)
 
     def submit(self, texts: list[str], request_id: str = "", *, priority: int = 0, tenant: str = "") -> list[Item]:
         """Queue one request's texts, all or nothing. Raises Overloaded/ShuttingDown/WorkerDied."""
@@ -100,14 +112,20 @@ class BatchEngine(EngineBase):
         loop = asyncio.get_running_loop()
         now = self.clock()
         deadline = self.deadline_s(now)
-        items = [Item(t, loop.create_future(), now, deadline, request_id, priority=priority, tenant=tenant)
-                 for t in texts]
+        tokens = self._count(texts) if self._count is not None else [0] * len(texts)
+        items = [Item(t, loop.create_future(), now, deadline, request_id, priority=priority, tenant=tenant,
+                      tokens=n) for t, n in zip(texts, tokens, strict=True)]
         self.queue.put(items)
         return items
 
     async def _work(self) -> None:
         while True:
             batch, reason = await self.strategy.collect(self.queue, self.clock)
+            batch, rest = self.strategy.trim(batch)
+            if rest:  # over the token budget: back to the head, in their order, for the next batch
+                for item in reversed(rest):
+                    self.queue.putback(item)
+                reason = "tokens"
             now = self.clock()  # one reading for the expiry check and the dispatch time
             live = self.live(batch, now, "deadline passed while queued")
             if live:
@@ -122,6 +140,8 @@ class BatchEngine(EngineBase):
             reason=reason,
             dispatched_s=now,
             queue_wait_ms=sum(now - i.enqueued_s for i in items) / len(items) * 1000,
+            tokens=sum(i.tokens for i in items),
+            padded_tokens=max(i.tokens for i in items) * len(items),
         )
         self._busy_until_s = now + self.cost(len(items)) / 1000
         for item in items:
@@ -168,6 +188,8 @@ class BatchEngine(EngineBase):
         c.items_computed += record.size
         c.batch_size_histogram[record.size] += 1
         c.dispatch_reasons[record.reason] += 1
+        c.tokens_computed += record.tokens
+        c.tokens_padded += record.padded_tokens
         self.batches.append(record)
         self.cost.add(record.size, record.compute_ms)
         self.strategy.observe(record.size, record.compute_ms)
@@ -180,4 +202,4 @@ class BatchEngine(EngineBase):
 
     def batch_log(self, last: int | None = None) -> list[dict[str, Any]]:
         batches = list(self.batches)[-last:] if last else list(self.batches)
-        return [vars(b).copy() for b in batches]
+        return [{**vars(b), "padding": b.padding} for b in batches]

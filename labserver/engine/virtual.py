@@ -71,12 +71,14 @@ class VirtualQueue:
     """
 
     def __init__(self, arrivals_s: Iterable[float], *, classes: Sequence[int] | None = None,
-                 limits: Limits | None = None, discipline: Discipline | None = None, batch_cap: float = math.inf) -> None:
+                 tokens: Sequence[int] | None = None, limits: Limits | None = None,
+                 discipline: Discipline | None = None, batch_cap: float = math.inf) -> None:
         self.now_s = 0.0
         self._future: Any = _NeverDone()
         times = sorted(arrivals_s)
         self._pending = [(t, k) for k, t in enumerate(times)]  # a heap: closed loops add arrivals as they go
         self._classes = list(classes) if classes is not None else []
+        self._tokens = list(tokens) if tokens is not None else []  # each arrival's tokens, in time order
         self.limits = limits
         self.line = Line(discipline, self._shed)
         self.outcomes: list[Outcome] = []
@@ -128,7 +130,8 @@ class VirtualQueue:
             priority = self._classes[k] if k < len(self._classes) else 0
             timeout_ms = self.limits.timeout_ms if self.limits is not None else None
             item = Item(f"#{len(self.outcomes)}", self._future, enqueued_s=t, request_id=str(len(self.outcomes)),
-                        deadline_s=t + timeout_ms / 1000 if timeout_ms is not None else math.inf, priority=priority)
+                        deadline_s=t + timeout_ms / 1000 if timeout_ms is not None else math.inf, priority=priority,
+                        tokens=self._tokens[k] if k < len(self._tokens) else 0)
             outcome = Outcome(t, priority)
             self.outcomes.append(outcome)
             if self._door(item, outcome):
@@ -188,18 +191,21 @@ class SimRun:
 
 
 def simulate(
-    strategy: Strategy, arrivals_s: Iterable[float], service_ms: Callable[[int], float], *,
-    classes: Sequence[int] | None = None,
+    strategy: Strategy, arrivals_s: Iterable[float], service_ms: Callable[..., float], *,
+    classes: Sequence[int] | None = None, tokens: Sequence[int] | None = None,
 ) -> SimRun:
     """Every batch the strategy would form for these arrivals, on one worker.
 
     The strategy's ``Limits`` apply as in the engine: its queue discipline and priority
     classes (``classes``: each arrival's priority, in time order), ``max_queue``,
-    ``timeout_ms`` (504 once passed while waiting) and ``admit="deadline"``.
+    ``timeout_ms`` (504 once passed while waiting), ``admit="deadline"`` and the token
+    budget. With ``tokens`` (each arrival's tokens, in time order) a batch costs
+    ``service_ms(n, longest)``, padding included, and records its real and padded tokens;
+    without, ``service_ms(n)``.
     """
-    q = VirtualQueue(arrivals_s, classes=classes, limits=strategy.limits, discipline=strategy.discipline,
-                     batch_cap=strategy.batch_cap)
-    return _run(strategy, q, service_ms, lambda q, end_s, n: None, math.inf)
+    q = VirtualQueue(arrivals_s, classes=classes, tokens=tokens, limits=strategy.limits,
+                     discipline=strategy.discipline, batch_cap=strategy.batch_cap)
+    return _run(strategy, q, service_ms, lambda q, end_s, n: None, math.inf, by_tokens=tokens is not None)
 
 
 def simulate_closed(
@@ -226,8 +232,8 @@ def simulate_closed(
     return _run(strategy, q, service_ms, answered, duration_s)
 
 
-def _run(strategy: Strategy, q: VirtualQueue, service_ms: Callable[[int], float],
-         answered: Callable[[VirtualQueue, float, int], None], duration_s: float) -> SimRun:
+def _run(strategy: Strategy, q: VirtualQueue, service_ms: Callable[..., float],
+         answered: Callable[[VirtualQueue, float, int], None], duration_s: float, by_tokens: bool = False) -> SimRun:
     async def main() -> SimRun:
         run = SimRun(outcomes=q.outcomes)  # (the same list: filled as they go)
         while q.now_s < duration_s:
@@ -235,16 +241,23 @@ def _run(strategy: Strategy, q: VirtualQueue, service_ms: Callable[[int], float]
                 items, reason = await strategy.collect(q, q.clock)
             except EndOfArrivals:
                 return run
+            items, rest = strategy.trim(items)  # the engine's token budget
+            if rest:
+                for item in reversed(rest):
+                    q.putback(item)
+                reason = "tokens"
             start = q.now_s
             items = [i for i in items if i.deadline_s >= start]  # (the line lets none past its deadline through)
             if not items:
                 continue
-            cost = service_ms(len(items))
+            longest = max(i.tokens for i in items)
+            cost = service_ms(len(items), longest) if by_tokens else service_ms(len(items))
             q.busy_until_s = start + q.cost(len(items)) / 1000  # the engine's expectation, before it learns this one
             q.now_s += cost / 1000
             waits = [start - i.enqueued_s for i in items]
             run.batches.append(
-                BatchRecord(len(run.batches) + 1, len(items), reason, start, sum(waits) / len(waits) * 1000, cost)
+                BatchRecord(len(run.batches) + 1, len(items), reason, start, sum(waits) / len(waits) * 1000, cost,
+                            tokens=sum(i.tokens for i in items), padded_tokens=longest * len(items))
             )
             run.latencies_ms.extend((q.now_s - i.enqueued_s) * 1000 for i in items)
             for i in items:

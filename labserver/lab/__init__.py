@@ -44,6 +44,7 @@ from .claims import NOISE, Claim, claim, compare, pct, saturated, say, spread, v
 
 __all__ = [
     "MIN_P99_SAMPLES",
+    "PaddedCost",
     "QUICK_ENV",
     "Claim",
     "Runs",
@@ -72,6 +73,7 @@ __all__ = [
     "serve_and_load",
     "setup_notebook",
     "sim_frames",
+    "padded_cost",
     "time_batches",
     "warm_up",
 ]
@@ -257,6 +259,54 @@ def time_batches(model: Any, sizes: Sequence[int], texts: Sequence[str], *, repe
         ms = float(np.median(took))
         rows.append({"size": size, "ms": ms, "ms_per_item": ms / size, "items_per_s": size * 1000 / ms})
     return pd.DataFrame(rows)
+
+
+@dataclass(frozen=True)
+class PaddedCost:
+    """A model's measured cost of a padded batch: ``n`` texts padded to ``longest`` tokens.
+
+    ``table`` holds the timings (columns ``size``, ``tokens``, ``ms``: the median of the calls);
+    ``a + b * n * longest + c * n * longest**2`` is fitted to them by least squares (the last term:
+    attention, quadratic in the length), the cost the virtual clock charges a batch.
+    """
+
+    a: float
+    b: float
+    c: float
+    table: pd.DataFrame
+
+    def __call__(self, n: int, longest: int) -> float:
+        return self.a + self.b * n * longest + self.c * n * longest**2
+
+    def worst_error(self) -> float:
+        """The largest relative gap between the fit and a timing."""
+        fit = np.array([self(n, t) for n, t in zip(self.table["size"], self.table["tokens"])])
+        return float(np.max(np.abs(fit - self.table["ms"]) / self.table["ms"]))
+
+    def __str__(self) -> str:
+        return (f"cost(n, longest) = {self.a:.2f} + {self.b * 1000:.3f} n*longest us + {self.c * 1e6:.3f} "
+                f"n*longest^2 ns (ms; fitted to {len(self.table)} timings, worst gap {pct(self.worst_error())})")
+
+
+def padded_cost(model: Any, sizes: Sequence[int] = (1, 8, 32), lengths: Sequence[int] = (8, 32, 128, 256), *,
+                repeats: int = 3) -> PaddedCost:
+    """Time ``model`` on batches of ``n`` texts of exactly ``tokens`` tokens each (built-in words, one token each,
+    plus the model's two special tokens), at every pair, and fit ``PaddedCost`` to the timings."""
+    rows = []
+    model([WORDS[0]])  # warm
+    for tokens in lengths:
+        text = " ".join(WORDS[k % len(WORDS)] for k in range(max(1, tokens - 2)))
+        for n in sizes:
+            took = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                model([text] * n)
+                took.append((time.perf_counter() - t) * 1000)
+            rows.append({"size": n, "tokens": tokens, "ms": float(np.median(took))})
+    table = pd.DataFrame(rows)
+    x = np.column_stack([np.ones(len(table)), table["size"] * table["tokens"], table["size"] * table["tokens"] ** 2])
+    a, b, c = np.linalg.lstsq(x, table["ms"].to_numpy(), rcond=None)[0]
+    return PaddedCost(max(0.0, float(a)), max(0.0, float(b)), max(0.0, float(c)), table)
 
 
 # ---------------------------------------------------------------- virtual clock

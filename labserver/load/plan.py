@@ -18,12 +18,8 @@ import numpy as np
 from .. import wire
 from .mix import Flow
 
-__all__ = ["GEN_FIELDS", "HEADER_COLUMNS", "HEADER_INPUT_TOKENS", "PROBES_IN_FLIGHT", "PROBE_FIELDS", "ROW_FIELDS",
-           "Plan"]
+__all__ = ["GEN_FIELDS", "HEADER_COLUMNS", "PROBES_IN_FLIGHT", "PROBE_FIELDS", "ROW_FIELDS", "Plan"]
 
-# An encoder answer's count of the tokens the model computes for the request's texts (special
-# tokens included), summed over a JSON list; named here until labserver.wire names it.
-HEADER_INPUT_TOKENS = "x-input-tokens"
 # server header -> record column (loadgen parses them; missing ones stay None here)
 HEADER_COLUMNS = {
     "queue_ms": wire.HEADER_QUEUE_MS, "compute_ms": wire.HEADER_COMPUTE_MS,
@@ -31,7 +27,7 @@ HEADER_COLUMNS = {
     "dispatch": wire.HEADER_DISPATCH, "server_ms": wire.HEADER_SERVER_MS,
     "request_id": wire.HEADER_REQUEST_ID, "replica": wire.HEADER_REPLICA,
     "reason": wire.HEADER_REASON,  # why a 503/504 was refused or shed
-    "input_tokens": HEADER_INPUT_TOKENS,
+    "input_tokens": wire.HEADER_INPUT_TOKENS,  # an encoder answer: the tokens its texts are computed with
 }
 # what a generation answer adds (None/NaN for other modes); token_s is a list of client-clock
 # times (s from the run's start), one per token event, that loadgen turns into its tokens frame

@@ -65,6 +65,16 @@ class MiniLM:
     def check(self, text: str) -> None:
         pass
 
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens each text is computed with (special tokens included, truncated as ``__call__`` truncates)."""
+        return count_tokens(self.tokenizer, texts, self.max_tokens)
+
+
+def count_tokens(tokenizer: Any, texts: list[str], limit: int | None) -> list[int]:
+    """Each text's length in ``tokenizer``'s ids, cut at ``limit`` (None: the tokenizer's own model limit)."""
+    ids = tokenizer(texts, truncation=True, max_length=limit)["input_ids"]
+    return [len(x) for x in ids]
+
 
 class FillMask:
     """A transformers fill-mask pipeline (the guide's task), batched."""
@@ -90,6 +100,9 @@ class FillMask:
             results.append({"predictions": preds, "note": self.note} if self.note else {"predictions": preds})
         return results
 
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return count_tokens(self.pipe.tokenizer, texts, None)
+
     def check(self, text: str) -> None:
         if self.mask not in text:
             raise InputRejected(f"fill-mask needs the mask token {self.mask} in the text, e.g. 'test {self.mask}'")
@@ -114,6 +127,10 @@ class GenericPipeline:
 
     def check(self, text: str) -> None:
         pass
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        return count_tokens(tokenizer, texts, None) if tokenizer is not None else [0] * len(texts)
 
 
 def _jsonable(x: Any) -> Any:

@@ -2,8 +2,11 @@
 
 - ``synthetic:BASE_MS+PER_ITEM_MS`` (an encoder): blocks the calling thread for
   BASE + n*PER_ITEM ms on a batch of n (``time.sleep`` releases the GIL, as real
-  kernels do). An input containing ``__poison__`` raises inside the model. Option
-  after ``?``: ``oom_above=N`` raises ``OutOfMemory`` for batches bigger than N.
+  kernels do). An input containing ``__poison__`` raises inside the model. Options
+  after ``?`` (joined by ``&``): ``oom_above=N`` raises ``OutOfMemory`` for batches bigger
+  than N; ``per_token=MS`` adds MS per *padded* token, n x the longest text's tokens, as a
+  real encoder pays for padding (a text's tokens: its words + 2, a BERT tokenizer's count
+  of the built-in words with [CLS] and [SEP]).
 - ``echo``: no compute at all; returns each input's length.
 - ``synthetic-gen:PREFILL_MS+STEP_MS`` (a generator): a prefill call blocks PREFILL_MS
   (+ ``per_token`` ms per token in the call), a decode step STEP_MS (+ ``per_seq`` ms per
@@ -51,6 +54,7 @@ class Synthetic:
     base_ms: float
     per_item_ms: float
     oom_above: int | None = None  # batches larger than this raise OutOfMemory
+    per_token_ms: float = 0.0  # cost per padded token: n x the longest text's tokens
     name: str = ""
     max_chars: int | None = None
     calls: int = field(default=0, repr=False)  # batches computed, for tests
@@ -59,14 +63,21 @@ class Synthetic:
     def __post_init__(self) -> None:
         if not self.name:
             self.name = f"synthetic:{self.base_ms:g}+{self.per_item_ms:g}"
+            if self.per_token_ms:
+                self.name += f"?per_token={self.per_token_ms:g}"
 
-    def cost_ms(self, n: int) -> float:
-        return self.base_ms + n * self.per_item_ms
+    def cost_ms(self, n: int, longest: int = 0) -> float:
+        """A batch of ``n`` texts whose longest has ``longest`` tokens."""
+        return self.base_ms + n * self.per_item_ms + n * longest * self.per_token_ms
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return [len(t.split()) + 2 for t in texts]
 
     def __call__(self, texts: list[str]) -> list[Any]:
         if self.oom_above is not None and len(texts) > self.oom_above:
             raise OutOfMemory(f"batch of {len(texts)} > {self.oom_above} does not fit")
-        time.sleep(self.cost_ms(len(texts)) / 1000)
+        longest = max(self.count_tokens(texts)) if self.per_token_ms else 0
+        time.sleep(self.cost_ms(len(texts), longest) / 1000)
         self.calls += 1
         self.items += len(texts)
         for t in texts:
@@ -88,11 +99,14 @@ def parse_synthetic(spec: str) -> Synthetic:
             f"bad synthetic spec {spec!r}: use synthetic:BASE_MS+PER_ITEM_MS, e.g. synthetic:10+0"
         )
     opts = dict(kv.split("=", 1) for kv in m["opts"].split("&")) if m["opts"] else {}
-    unknown = set(opts) - {"oom_above"}
+    unknown = set(opts) - {"oom_above", "per_token"}
     if unknown:
-        raise ValueError(f"unknown synthetic option(s) {sorted(unknown)}; known: oom_above")
+        raise ValueError(f"unknown synthetic option(s) {sorted(unknown)}; known: oom_above, per_token")
     oom = int(opts["oom_above"]) if "oom_above" in opts else None
-    return Synthetic(float(m["base"]), float(m["per"]), oom_above=oom)
+    per_token = float(opts.get("per_token", 0.0))
+    if per_token < 0:
+        raise ValueError(f"synthetic per_token must be >= 0 ms, got {per_token}")
+    return Synthetic(float(m["base"]), float(m["per"]), oom_above=oom, per_token_ms=per_token)
 
 
 POISONED = 50_001  # the token encode() appends to a poisoned prompt (outside the words' range: never generated)

@@ -8,7 +8,8 @@
 - ``kv``: KV-cache memory: tokens held and reserved, blocks used/cached/free over time,
   time to first token split into queueing and the rest;
 - ``replicas``: requests routed to each replica over time (load skew behind a router);
-- ``overload``: goodput against offered load, the queue standing and shedding, tokens per tenant;
+- ``overload``: goodput against offered load, the queue standing and shedding, tokens per tenant,
+  padding against offered load;
 - ``common``: what they share (records in, one colour per label, ``ax=None`` in, Axes out).
 
 Every helper takes ``ax=None``, returns the Axes and never changes global matplotlib
@@ -21,7 +22,7 @@ from .batches import batch_gantt, batch_size_hist, overview
 from .requests import (latency_cdf, latency_over_time, latency_vs_throughput, loop_lag, request_timeline,
                        theory_vs_measured)
 from .kv import kv_blocks, kv_tokens, ttft_split
-from .overload import goodput_vs_load, queue_over_time, tokens_over_time
+from .overload import goodput_vs_load, padding_vs_load, queue_over_time, tokens_over_time
 from .replicas import replica_load
 from .tokens import (generation_overview, itl_cdf, step_gantt, token_throughput_vs_rate, tpot_cdf, ttft_cdf,
                      ttft_vs_rate)
@@ -29,6 +30,7 @@ from .tokens import (generation_overview, itl_cdf, step_gantt, token_throughput_
 __all__ = [
     "batch_gantt",
     "goodput_vs_load",
+    "padding_vs_load",
     "queue_over_time",
     "tokens_over_time",
     "batch_size_hist",

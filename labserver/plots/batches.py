@@ -89,11 +89,14 @@ def batch_gantt(
     *,
     cmap: str = "viridis",
     colorbar: bool = True,
+    color: str = "size",
 ) -> Axes:
-    """Every batch as a bar over its compute time, one lane per run; height and colour by size.
+    """Every batch as a bar over its compute time, one lane per run; height by size, colour by ``color``.
 
-    ``data`` is records or an ``analysis.batches`` frame. Gaps in a lane are an
-    idle model; short, pale bars are a model working on small batches.
+    ``data`` is records, an ``analysis.batches`` frame or an ``analysis.batch_frame`` (the server's
+    batch log). Gaps in a lane are an idle model; short, pale bars are a model working on small
+    batches. ``color="padding"`` colours each bar by the share of its computed tokens that were
+    padding (0: every text as long as the longest; a batch log or a virtual run has it).
     """
     ax = get_ax(ax)
     frame = frame_of(data)
@@ -101,6 +104,10 @@ def batch_gantt(
     table = table[table["start_s"].notna() & table["end_s"].notna() & table["size"].notna()]
     if table.empty:
         return empty(ax, "no batch timings in these records")
+    if color not in ("size", "padding"):
+        raise ValueError(f"color must be 'size' or 'padding', got {color!r}")
+    if color == "padding" and "padding" not in table.columns:
+        return empty(ax, "no padding in these batches: draw the server's batch log (analysis.batch_frame)")
     keys = [key for key in analysis.RUN_KEYS if key in table.columns and table[key].notna().any()]
     runs = list(table.groupby(keys, sort=False, dropna=False)) if keys else [((), table)]
     if keys:  # lanes by label as given, then rate ascending (the table itself is in time order)
@@ -108,21 +115,24 @@ def batch_gantt(
         runs.sort(key=lambda run: tuple(
             rank[k] if key == "label" else (np.inf if pd.isna(k) else k) for key, k in zip(keys, run[0])))
     largest = max(int(table["size"].max()), 2)  # a 1..1 colour scale is degenerate
-    norm, colours = Normalize(vmin=1, vmax=largest), colormaps[cmap]
+    norm = Normalize(vmin=1, vmax=largest) if color == "size" else Normalize(vmin=0.0, vmax=1.0)
+    colours = colormaps[cmap]
     names = []
     for lane, (key, rows) in enumerate(runs):
         bottom = len(runs) - 1 - lane - 0.4  # first run on top
         size = rows["size"].to_numpy(dtype=float)
+        shade = size if color == "size" else rows["padding"].to_numpy(dtype=float)
         ax.barh(bottom, (rows["end_s"] - rows["start_s"]).to_numpy(dtype=float), left=rows["start_s"].to_numpy(),
-                height=0.8 * size / largest, align="edge", color=colours(norm(size)), edgecolor="none")
+                height=0.8 * size / largest, align="edge", color=colours(norm(shade)), edgecolor="none")
         key = key if isinstance(key, tuple) else (key,)
         names.append(" @ ".join(f"{k:g}/s" if isinstance(k, float) else str(k) for k in key if pd.notna(k)) or "run")
     ax.set_yticks(np.arange(len(runs))[::-1], names)
     ax.set_ylim(-0.6, len(runs) - 0.4)
     ax.set_xlabel("time since run start (s)")
-    ax.set_title("Batches over time (height, colour: size)")
+    ax.set_title("Batches over time (height: size; colour: " + ("size)" if color == "size" else "padding share)"))
     if colorbar:
-        ax.figure.colorbar(ScalarMappable(norm=norm, cmap=colours), ax=ax, label="batch size")
+        ax.figure.colorbar(ScalarMappable(norm=norm, cmap=colours), ax=ax,
+                           label="batch size" if color == "size" else "padding: (padded - real) / padded tokens")
     return ax
 
 

@@ -14,7 +14,7 @@ from matplotlib.axes import Axes
 
 from .common import Records, empty, frame_of, get_ax, label_colors, label_groups, legend
 
-__all__ = ["goodput_vs_load", "queue_length", "queue_over_time", "tokens_over_time"]
+__all__ = ["goodput_vs_load", "padding_vs_load", "queue_length", "queue_over_time", "tokens_over_time"]
 
 
 def goodput_vs_load(summary: pd.DataFrame, ax: Axes | None = None, *, x: str = "load", y: str = "goodput_share",
@@ -26,13 +26,8 @@ def goodput_vs_load(summary: pd.DataFrame, ax: Axes | None = None, *, x: str = "
     dashed when ``capacity`` is given). FIFO's collapse past 1 is the lesson.
     """
     ax = get_ax(ax)
-    if x not in summary.columns or y not in summary.columns:
+    if not _lines(ax, summary, x, y, by):
         return empty(ax, f"no {x} / {y} columns to draw")
-    groups = label_groups(summary, by)
-    colors = label_colors([label for label, _ in groups])
-    for label, rows in groups:
-        rows = rows.sort_values(x)
-        ax.plot(rows[x], rows[y], "-o", color=colors[label], label="_nolegend_" if label is None else str(label))
     if capacity is not None:
         top = float(summary[x].max())
         grid = np.linspace(0.0, max(top, 1.0), 100)
@@ -45,6 +40,38 @@ def goodput_vs_load(summary: pd.DataFrame, ax: Axes | None = None, *, x: str = "
     ax.grid(True, alpha=0.3)
     legend(ax, fontsize="small")
     return ax
+
+
+def padding_vs_load(summary: pd.DataFrame, ax: Axes | None = None, *, x: str = "load", y: str = "padding",
+                    by: str | None = "label", title: str = "") -> Axes:
+    """The share of computed tokens that were padding against offered load, one line per label (strategy).
+
+    A rule that batches by count pads more as load grows (bigger batches: a longer longest); one that
+    groups texts by length pads less as load grows (more waiting to choose from).
+    """
+    ax = get_ax(ax)
+    if not _lines(ax, summary, x, y, by):
+        return empty(ax, f"no {x} / {y} columns to draw")
+    ax.set_xlim(left=0)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("offered load (multiples of capacity)" if x == "load" else x)
+    ax.set_ylabel("padding: (padded - real) / padded tokens" if y == "padding" else y)
+    ax.set_title(title or "Padding against offered load")
+    ax.grid(True, alpha=0.3)
+    legend(ax, fontsize="small")
+    return ax
+
+
+def _lines(ax: Axes, summary: pd.DataFrame, x: str, y: str, by: str | None) -> bool:
+    """One line of ``y`` against ``x`` per label; False when the columns are not there."""
+    if x not in summary.columns or y not in summary.columns:
+        return False
+    groups = label_groups(summary, by)
+    colors = label_colors([label for label, _ in groups])
+    for label, rows in groups:
+        rows = rows.sort_values(x)
+        ax.plot(rows[x], rows[y], "-o", color=colors[label], label="_nolegend_" if label is None else str(label))
+    return True
 
 
 def queue_length(arrival_s: np.ndarray, left_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -64,7 +64,7 @@ def encoder_engine(rt: Runtime, other_route: str) -> BatchEngine:
 
 
 async def infer(rt: Runtime, request: Request, texts: list[str], rid: str, t0: float,
-                priority: Any = None) -> tuple[list[Any], Item]:
+                priority: Any = None) -> tuple[list[Any], list[Item]]:
     """Queue the texts (in the request's class: ``priority``, else its ``x-priority`` header) and wait for
     all of them, the client, or the deadline, whichever first."""
     level, tenant = request_class(request, priority)
@@ -85,12 +85,17 @@ async def infer(rt: Runtime, request: Request, texts: list[str], rid: str, t0: f
     finally:
         for fut in futures:
             fut.cancel()  # a no-op on finished ones; queued ones are then skipped, never computed
-    return [i.future.result() for i in items], items[-1]
+    return [i.future.result() for i in items], items
 
 
-def server_headers(item: Item, rid: str, t0: float, now: float) -> dict[str, str]:
+def server_headers(items: list[Item], rid: str, t0: float, now: float) -> dict[str, str]:
+    """The timing headers of the request's last item's batch, and the tokens of all its texts."""
+    item = items[-1]
     b = item.batch
     headers = {wire.HEADER_REQUEST_ID: rid, wire.HEADER_SERVER_MS: f"{(now - t0) * 1000:.3f}"}
+    tokens = sum(i.tokens for i in items)
+    if tokens:
+        headers[wire.HEADER_INPUT_TOKENS] = str(tokens)
     if b is not None:
         headers[wire.HEADER_QUEUE_MS] = f"{item.queue_ms:.3f}"
         headers[wire.HEADER_COMPUTE_MS] = f"{b.compute_ms:.3f}"
@@ -105,11 +110,11 @@ def _texts_route(texts_of: Callable[[bytes, Runtime], tuple[list[str], bool]], b
         encoder_engine(rt, f'{wire.GENERATE_PATH} with JSON {{"prompt": "..."}}')
         texts, single = texts_of(body, rt)
         check_texts(rt, texts)
-        outputs, last = await infer(rt, request, texts, rid, t0)
+        outputs, items = await infer(rt, request, texts, rid, t0)
         now = time.perf_counter()
         rt.answered(now - t0)
         content = outputs[0] if bare else ({"output": outputs[0]} if single else {"outputs": outputs})
-        return FastJSON(content, headers=server_headers(last, rid, t0, now))
+        return FastJSON(content, headers=server_headers(items, rid, t0, now))
 
     async def route(request: Request) -> Response:
         return await answer(request, work)

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from .base import (STRATEGIES, Admission, Batch, Clock, Limits, Queue, Strategy, describe, make_strategy, register,
                    strategy_names)
-from .encode import SLO, Adaptive, BatchCost, Deadline, Naive, PerFetch, Thread
+from .encode import SLO, Adaptive, BatchCost, Deadline, Naive, PerFetch, Thread, Tokens
 from .generate import Call, GenContinuous, GenHFContinuous, GenNaive, GenPaged, GenStatic, GenStrategy, Running
 
 __all__ = ["SLO", "STRATEGIES", "Adaptive", "Admission", "Batch", "BatchCost", "Call", "Clock", "Deadline", "GenContinuous",
            "GenHFContinuous", "GenNaive", "GenPaged", "GenStatic", "GenStrategy", "Limits", "Naive", "PerFetch", "Queue",
-           "Running", "Strategy", "Thread", "describe", "make_strategy", "register", "strategy_names"]
+           "Running", "Strategy", "Thread", "Tokens", "describe", "make_strategy", "register", "strategy_names"]

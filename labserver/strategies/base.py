@@ -45,6 +45,8 @@ class Limits:
     timeout_ms: float | None = None  # per-request deadline from arrival, ms; None = none
     idle_dispatch: bool = True  # dispatch at once when nothing else is queued (deadline, thread)
     target_ms: float = 100.0  # slo: the latency target (an SLO), ms; a batch may spend part of it waiting
+    max_batch_tokens: int | None = None  # encoders: a batch's padded tokens (longest x count) at most this; None =
+    #   no budget (the tokens rule then takes its own default); one text over it is served alone
     # generation only (gen-* strategies)
     max_kv_tokens: int | None = None  # KV-cache tokens the running sequences may hold; None: max_batch_size (at most
     #   64) x the model's context
@@ -71,6 +73,7 @@ class Limits:
             ("max_queue", self.max_queue is None or self.max_queue >= 1, ">= 1 or None"),
             ("timeout_ms", self.timeout_ms is None or self.timeout_ms > 0, "> 0 or None"),
             ("target_ms", self.target_ms > 0, "> 0"),
+            ("max_batch_tokens", self.max_batch_tokens is None or self.max_batch_tokens >= 1, ">= 1 or None"),
             ("kv_block_tokens", self.kv_block_tokens >= 1, ">= 1"),
             ("max_kv_tokens", self.max_kv_tokens is None or self.max_kv_tokens >= self.kv_block_tokens,
              f">= kv_block_tokens ({self.kv_block_tokens}: one block) or None"),
@@ -144,8 +147,30 @@ class Strategy:
         """The most items one of its batches holds (what ``admit="deadline"`` expects a batch to carry)."""
         return self.limits.cap
 
+    @property
+    def batch_tokens(self) -> float:
+        """The most padded tokens (longest x count) one of its batches holds: ``max_batch_tokens``, else no limit."""
+        return math.inf if self.limits.max_batch_tokens is None else self.limits.max_batch_tokens
+
     async def collect(self, queue: Queue, clock: Clock) -> Batch:
         raise NotImplementedError
+
+    def trim(self, batch: list[Any]) -> tuple[list[Any], list[Any]]:
+        """The batch cut to the token budget, and the rest (which the engine puts back at the queue's head).
+
+        Items are kept in the order collected while the padded cost, the longest x the count, stays within
+        ``batch_tokens``; the first is always kept, so a text longer than the budget is served alone.
+        An item's ``tokens`` is what the model computes for it (0 when the model cannot count).
+        """
+        budget = self.batch_tokens
+        if math.isinf(budget) or len(batch) < 2:
+            return batch, []
+        longest = batch[0].tokens
+        for n, item in enumerate(batch[1:], start=2):
+            longest = max(longest, item.tokens)
+            if longest * n > budget:
+                return batch[:n - 1], batch[n - 1:]
+        return batch, []
 
     def observe(self, size: int, compute_ms: float) -> None:
         """Called after every batch with its size and model time; a rule that learns costs uses it."""

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from .base import Batch, Clock, Limits, Queue, Strategy, register
 
-__all__ = ["SLO", "Adaptive", "BatchCost", "Deadline", "Naive", "PerFetch", "Thread"]
+__all__ = ["SLO", "Adaptive", "BatchCost", "Deadline", "Naive", "PerFetch", "Thread", "Tokens"]
 
 
 
@@ -218,3 +218,63 @@ class SLO(Thread):
             batch.append(item)
             self._arrived(item)
         return batch, "full"
+
+
+@register
+class Tokens(Thread):
+    """Batches by tokens, texts of a length together (text-embeddings-inference's budget, plus grouping).
+
+    A batch costs its longest text's tokens x its size: one long text among short ones makes
+    every short one pay for the long one's length in padding. This rule collects as the thread
+    rule does (until nothing else is queued, the deadline, or enough waiting to fill a batch),
+    then the oldest waiting text *anchors* the batch and its companions are the waiting texts
+    nearest its length, while the padded cost (longest x count) stays within ``max_batch_tokens``
+    and the count within ``max_batch_size``. The oldest always goes, so no text starves: one waits
+    at most as many batches as there were texts ahead of it. A text over the budget goes alone.
+    """
+
+    name = "tokens"
+    default_batch_tokens: ClassVar[int] = 2048  # without max_batch_tokens; TEI's GPU default is 16384
+
+    @property
+    def batch_tokens(self) -> float:
+        budget = self.limits.max_batch_tokens
+        return self.default_batch_tokens if budget is None else budget
+
+    async def collect(self, queue: Queue, clock: Clock) -> Batch:
+        cap, budget = self.limits.cap, self.batch_tokens
+        pool = [await queue.get()]  # taken while collecting; pool[0] is the queue's next: the oldest under fifo
+        due_s = clock() + self.limits.max_wait_ms / 1000
+        reason = "full"
+        while True:
+            waiting = queue.waiting()
+            if self.limits.idle_dispatch and not waiting:
+                reason = "idle"
+                break
+            if len(pool) + len(waiting) >= cap or sum(i.tokens for i in pool + waiting) >= budget:
+                break
+            remaining_s = due_s - clock()
+            item = await queue.get(remaining_s) if remaining_s > 0 else None
+            if item is None:
+                reason = "deadline"
+                break
+            pool.append(item)
+        waiting = queue.waiting()
+        batch = self.group(pool[0], pool[1:] + waiting)
+        chosen = {id(i) for i in batch}
+        queue.take([i for i in waiting if id(i) in chosen])
+        for item in reversed(pool[1:]):  # taken but not chosen: back to the head, the oldest first
+            if id(item) not in chosen:
+                queue.putback(item)
+        return batch, reason
+
+    def group(self, anchor: Any, others: list[Any]) -> list[Any]:
+        """The anchor, then the others nearest its length (the older first on a tie), within both limits."""
+        batch, longest = [anchor], anchor.tokens
+        for item in sorted(others, key=lambda i: abs(i.tokens - anchor.tokens)):  # (a stable sort: age breaks ties)
+            if len(batch) >= self.limits.cap:
+                break
+            if max(longest, item.tokens) * (len(batch) + 1) <= self.batch_tokens:
+                batch.append(item)
+                longest = max(longest, item.tokens)
+        return batch

@@ -77,7 +77,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float)
                           "encoding_format")
     texts = _inputs(doc, rt.config.max_inputs)
     check_texts(rt, texts, '"input"')
-    outputs, last = await infer(rt, request, texts, rid, t0, doc.get("priority"))
+    outputs, items = await infer(rt, request, texts, rid, t0, doc.get("priority"))
     if not all(isinstance(o, dict) and "embedding" in o for o in outputs):
         raise ClientError("bad_request", f"the model {served_name(rt)!r} does not produce embeddings; serve "
                                          "minilm (the embedded default) for /v1/embeddings", "model")
@@ -86,11 +86,11 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float)
     if dims is not None and dims != native:
         raise ClientError("bad_request", f'"dimensions": this model gives {native} dimensions, not {dims}',
                           "dimensions")
-    n_tokens = _tokens(rt, texts)
+    n_tokens = sum(i.tokens for i in items) or _tokens(rt, texts)  # the engine's count, when the model gave one
     data = [{"object": "embedding", "index": i, "embedding": _vector(o, fmt)} for i, o in enumerate(outputs)]
     now = time.perf_counter()
     rt.answered(now - t0)
-    headers = server_headers(last, rid, t0, now)
+    headers = server_headers(items, rid, t0, now)
     ignored = sorted(set(doc) - _USED)
     if ignored:
         headers[wire.HEADER_IGNORED_FIELDS] = ", ".join(ignored)
