@@ -1,7 +1,7 @@
 """When batching hurts: texts of different lengths, item-count against token-aware batching, live.
 
-    python benchmarks/padperf.py --out results/padperf/cpu.json                # ~10 min on 2 cores
-    python benchmarks/padperf.py --smoke --seconds 3 --out /tmp/padperf.json   # smoke: ~2 min
+    python benchmarks/padperf.py --out results/padperf/cpu.json      # ~12 min on 2 cores (2 rounds)
+    python benchmarks/padperf.py --smoke --seconds 2 --warmup 1 --users 64 --rounds 1 --out /tmp/padperf.json
 
 ``minilm`` (its limit: 256 tokens) on texts of the built-in words, one token each, plus [CLS]
 and [SEP]: lengths lognormal with median ``--median`` words and p99 ``--p99`` (clipped to the
@@ -19,6 +19,8 @@ generator on the same cores as the server. Rows:
 4. Served ``tokens`` against the model called directly as sentence-transformers' ``encode``
    does (the same texts sorted by length, batches of ``--max-batch``): items/s (goal >= 0.8).
 
+Every ratio is the median of ``--rounds`` rounds, the order reversed every other round (the
+machine's speed drifts within minutes); the rounds' own values are printed beside it.
 ``--smoke`` judges what was measured (rows, finite values, every request answered), not goals.
 """
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from typing import Any
@@ -34,6 +37,7 @@ import numpy as np
 from genperf import Checks, per, row, write_results  # (benchmarks/ is the script's folder: on the path)
 
 import labserver
+from labserver import analysis
 from labserver.experiments.runs import machine_info
 from labserver.load.lengths import ConstantLength, LognormalLength
 from labserver.load.prompts import TokenPrompts
@@ -55,40 +59,43 @@ def measure(model: Any, name: str, knobs: dict[str, Any], payload: Any, args: ar
     with labserver.serve(name, model, max_queue=100_000, **knobs) as h:
         run_load_sync(h.url, payload=payload, users=8, duration_s=1.0, progress=False)  # warm
         before = h.stats()
-        result = run_load_sync(h.url, payload=payload, duration_s=args.seconds, warmup_s=args.warmup,
+        result = run_load_sync(h.url, payload=payload, duration_s=args.seconds + args.warmup, warmup_s=args.warmup,
                                timeout_s=120, progress=False, seed=args.seed, max_in_flight=4096, **how)
         after = h.stats()
-    r = result.records
-    kept = r[~r["warmup"]]
-    ok = kept[kept["status"] == 200]
+    s = analysis.summarize(result.records, meta=result.meta)
     real = after["tokens_computed"] - before["tokens_computed"]
     padded = after["tokens_padded"] - before["tokens_padded"]
-    return {"items_per_s": len(ok) / args.seconds, "p99_ms": float(ok["latency_ms"].quantile(0.99)) if len(ok) else
-            math.nan, "p50_ms": float(ok["latency_ms"].median()) if len(ok) else math.nan, "n_ok": len(ok),
-            "n": len(kept), "errors": int((kept["status"] != 200).sum()), "waste": per(padded - real, padded),
-            "real_tokens": int(real), "padded_tokens": int(padded),
+    ok = result.records[(result.records["status"] == 200) & ~result.records["warmup"]]
+    return {"items_per_s": float(s["throughput_rps"]), "p99_ms": float(s["p99_ms"]), "p50_ms": float(s["p50_ms"]),
+            "n_ok": int(s["n_ok"]), "n": int(s["count"]), "errors": int(s["count"] - s["n_ok"]),
+            "waste": per(padded - real, padded), "real_tokens": int(real), "padded_tokens": int(padded),
             "mean_batch": float(ok["batch_size"].mean()) if len(ok) else math.nan}
 
 
-def offline(model: Any, payload: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """sentence-transformers' ``encode``: sort by length, batches of max_batch, the model called directly."""
-    texts = payload.take(4000, np.random.default_rng(args.seed))
+def offline(model: Any, payload: Any, args: argparse.Namespace, threads: int | None = None) -> dict[str, Any]:
+    """sentence-transformers' ``encode``: sort by length, batches of max_batch, the model called directly
+    (with ``threads`` torch threads for the call, then torch's default again)."""
+    import torch
+    texts = payload.take(2000, np.random.default_rng(args.seed))
     lengths = model.count_tokens(texts)
     ordered = [t for _, t in sorted(zip(lengths, texts, strict=True), key=lambda p: p[0])]
 
-    def run() -> tuple[int, float]:
+    def run() -> tuple[int, float]:  # whole passes over every length, at least one and for at least --seconds
         model(ordered[:args.max_batch])  # warm
         n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < args.seconds:
+        while n == 0 or time.perf_counter() - t0 < args.seconds:
             for k in range(0, len(ordered), args.max_batch):
                 model(ordered[k:k + args.max_batch])
-                n += len(ordered[k:k + args.max_batch])
-                if time.perf_counter() - t0 >= args.seconds:
-                    break
+            n += len(ordered)
         return n, time.perf_counter() - t0
 
-    n, seconds = on_fresh_thread(run)  # a thread that ends with it, as a server's model thread does
-    return {"items_per_s": n / seconds, "items": n}
+    default = torch.get_num_threads()
+    torch.set_num_threads(threads or default)
+    try:
+        n, seconds = on_fresh_thread(run)  # a thread that ends with it, as a server's model thread does
+    finally:
+        torch.set_num_threads(default)
+    return {"items_per_s": n / seconds, "items": n, "threads": threads or default}
 
 
 def main() -> int:
@@ -99,8 +106,9 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=32, help="thread's item cap, and the offline batch")
     ap.add_argument("--budget", type=int, default=2048, help="tokens: padded tokens per batch")
     ap.add_argument("--users", type=int, default=256, help="saturated runs: closed-loop users")
-    ap.add_argument("--seconds", type=float, default=30.0, help="measured seconds per run")
-    ap.add_argument("--warmup", type=float, default=3.0, help="seconds left out at each run's start")
+    ap.add_argument("--seconds", type=float, default=30.0, help="measured seconds per run (after --warmup)")
+    ap.add_argument("--warmup", type=float, default=3.0, help="seconds sent before the measured ones, left out")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds, order reversed every other; ratios are medians")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="exit on checks of what was measured, not on the goals")
     ap.add_argument("--out", default="results/padperf/cpu.json", help="every number as JSON here (and a .txt)")
@@ -112,49 +120,69 @@ def main() -> int:
     same = TokenPrompts(ConstantLength(round(lengths.mean())))
     kinds = servers(args)
     m: dict[str, Any] = {"lengths": {"median": args.median, "p99": args.p99, "sigma": lengths.sigma,
-                                     "mean_words": lengths.mean()}}
-    for name in ("thread", "tokens", "naive"):
-        print(f"saturated, long-tailed: {name} ...", file=sys.stderr)
-        m[f"{name}@sat"] = measure(model, name, kinds[name], mixed, args, users=args.users)
-    rate = 0.7 * m["thread@sat"]["items_per_s"]
+                                     "mean_words": lengths.mean()}, "rounds": []}
+    rate = math.nan
+    for i in range(args.rounds):
+        r: dict[str, Any] = {}
+        flip = (lambda names: names) if i % 2 == 0 else (lambda names: names[::-1])  # drift lands on both sides
+        for name in flip(("thread", "tokens", "naive")):
+            print(f"round {i + 1}: saturated, long-tailed: {name} ...", file=sys.stderr)
+            r[f"{name}@sat"] = measure(model, name, kinds[name], mixed, args, users=args.users)
+        if i == 0:  # one schedule for every round: 70 % of thread's first saturated rate
+            rate = 0.7 * r["thread@sat"]["items_per_s"]
+        for name in flip(("thread", "tokens")):
+            print(f"round {i + 1}: Poisson at {rate:.1f}/s (70 % of thread's): {name} ...", file=sys.stderr)
+            r[f"{name}@70"] = measure(model, name, kinds[name], mixed, args, rate_per_s=rate)
+        for name in flip(("thread", "tokens")):
+            print(f"round {i + 1}: saturated, every text {same.lengths.mean():.0f} words: {name} ...", file=sys.stderr)
+            r[f"{name}@same"] = measure(model, name, kinds[name], same, args, users=args.users)
+        print(f"round {i + 1}: offline, sorted by length ...", file=sys.stderr)
+        r["offline"] = offline(model, mixed, args)
+        r["offline_1thread"] = offline(model, mixed, args, threads=1)
+        m["rounds"].append(r)
     m["rate_70"] = rate
-    for name in ("thread", "tokens"):
-        print(f"Poisson at {rate:.1f}/s (70 % of thread's): {name} ...", file=sys.stderr)
-        m[f"{name}@70"] = measure(model, name, kinds[name], mixed, args, rate_per_s=rate)
-    for name in ("thread", "tokens"):
-        print(f"saturated, every text {same.lengths.mean():.0f} words: {name} ...", file=sys.stderr)
-        m[f"{name}@same"] = measure(model, name, kinds[name], same, args, users=args.users)
-    print("offline, sorted by length ...", file=sys.stderr)
-    m["offline"] = offline(model, mixed, args)
+    rounds = m["rounds"]
 
-    t, c, n = m["tokens@sat"], m["thread@sat"], m["naive@sat"]
+    def med(key: str, field: str) -> float:
+        return statistics.median(r[key][field] for r in rounds)
+
+    def ratio(a: str, b: str, field: str = "items_per_s") -> tuple[float, str]:
+        """The median over rounds of a / b, and the rounds' values."""
+        values = [per(r[a][field], r[b][field]) for r in rounds]
+        return statistics.median(values), "; rounds " + ", ".join(f"{v:.3f}" for v in values)
+
     rows = []
-    x = per(t["items_per_s"], c["items_per_s"])
+    x, spread = ratio("tokens@sat", "thread@sat")
     rows.append(row("1 token-aware/item-count items/s", x, ">= 1.5", x >= 1.5,
-                    f"{t['items_per_s']:.1f} vs {c['items_per_s']:.1f}/s, both saturated ({args.users} users); "
-                    f"tokens: budget {args.budget}, mean batch {t['mean_batch']:.1f}; thread: max batch "
-                    f"{args.max_batch}, mean {c['mean_batch']:.1f}"))
-    rows.append(row("1 padding waste, token-aware", t["waste"], "<= 0.15", t["waste"] <= 0.15,
-                    f"item-count's {c['waste']:.1%}; naive's {n['waste']:.1%} (one text: none); (padded - real) / "
-                    f"padded tokens, from the server's counters"))
-    y = per(c["items_per_s"], n["items_per_s"])
-    rows.append(row("1 item-count/naive items/s (info)", y, "(info)", None,
-                    f"{c['items_per_s']:.1f} vs {n['items_per_s']:.1f}/s: batching by count on this mix "
-                    f"{'beat' if y > 1 else 'lost to'} one at a time"))
-    lo, hi = m["tokens@70"], m["thread@70"]
-    x = per(lo["p99_ms"], hi["p99_ms"])
+                    f"{med('tokens@sat', 'items_per_s'):.1f} vs {med('thread@sat', 'items_per_s'):.1f}/s, both "
+                    f"saturated ({args.users} users); tokens: budget {args.budget}, mean batch "
+                    f"{med('tokens@sat', 'mean_batch'):.1f}; thread: max batch {args.max_batch}{spread}"))
+    waste = med("tokens@sat", "waste")
+    rows.append(row("1 padding waste, token-aware", waste, "<= 0.15", waste <= 0.15,
+                    f"item-count's {med('thread@sat', 'waste'):.1%}; (padded - real) / padded tokens, from the "
+                    f"server's counters"))
+    x, spread = ratio("thread@sat", "naive@sat")
+    rows.append(row("1 item-count/naive items/s (info)", x, "(info)", None,
+                    f"{med('thread@sat', 'items_per_s'):.1f} vs {med('naive@sat', 'items_per_s'):.1f}/s: batching "
+                    f"by count on this mix {'beat' if x > 1 else 'lost to'} one at a time{spread}"))
+    x, spread = ratio("tokens@70", "thread@70", "p99_ms")
     rows.append(row("2 p99 latency token-aware/item-count at 70 %", x, "<= 0.7", x <= 0.7,
-                    f"{lo['p99_ms']:.0f} vs {hi['p99_ms']:.0f} ms (p50 {lo['p50_ms']:.0f} vs {hi['p50_ms']:.0f}), "
-                    f"Poisson at {rate:.1f}/s; {lo['n_ok']} and {hi['n_ok']} answers"))
-    s, cs = m["tokens@same"], m["thread@same"]
-    x = per(s["items_per_s"], cs["items_per_s"])
+                    f"{med('tokens@70', 'p99_ms'):.0f} vs {med('thread@70', 'p99_ms'):.0f} ms (p50 "
+                    f"{med('tokens@70', 'p50_ms'):.0f} vs {med('thread@70', 'p50_ms'):.0f}), Poisson at {rate:.1f}/s; "
+                    f"{min(r['tokens@70']['n_ok'] for r in rounds)}+ answers each{spread}"))
+    x, spread = ratio("tokens@same", "thread@same")
     rows.append(row("3 same lengths: token-aware/item-count items/s", x, ">= 0.95", x >= 0.95,
-                    f"{s['items_per_s']:.1f} vs {cs['items_per_s']:.1f}/s, every text "
-                    f"{same.lengths.mean():.0f} words; waste {s['waste']:.1%} and {cs['waste']:.1%}"))
-    x = per(t["items_per_s"], m["offline"]["items_per_s"])
+                    f"{med('tokens@same', 'items_per_s'):.1f} vs {med('thread@same', 'items_per_s'):.1f}/s, every "
+                    f"text {same.lengths.mean():.0f} words{spread}"))
+    x, spread = ratio("tokens@sat", "offline")
     rows.append(row("4 served token-aware / offline sorted encode", x, ">= 0.8", x >= 0.8,
-                    f"{t['items_per_s']:.1f} vs {m['offline']['items_per_s']:.1f}/s (sorted by length, batches "
-                    f"of {args.max_batch}); the load generator shares the cores"))
+                    f"{med('tokens@sat', 'items_per_s'):.1f} vs {med('offline', 'items_per_s'):.1f}/s (sorted by "
+                    f"length, batches of {args.max_batch}, {rounds[0]['offline']['threads']} torch threads); the "
+                    f"load generator and the server share the cores{spread}"))
+    x, spread = ratio("tokens@sat", "offline_1thread")
+    rows.append(row("4 served token-aware / offline with 1 torch thread", x, "(info)", None,
+                    f"{med('tokens@sat', 'items_per_s'):.1f} vs {med('offline_1thread', 'items_per_s'):.1f}/s: the "
+                    f"model's share of the 2 cores when served{spread}"))
     seconds = time.perf_counter() - started
     numbers = {"machine": machine_info("cpu"), "args": vars(args), "runs": m, "rows": rows, "seconds": seconds}
     write_results(args.out, numbers, rows, f"({seconds:.0f} s, live: server and load generator on the same cores)",
@@ -164,8 +192,8 @@ def main() -> int:
         for r in rows:
             if r["goal"] != "(info)":
                 check.positive(r["value"], r["target"])
-        for key, run in m.items():
-            if isinstance(run, dict) and "errors" in run:
+        for key, run in ((k, v) for r in rounds for k, v in r.items()):
+            if "errors" in run:
                 check(run["errors"] == 0 and run["n_ok"] > 0, f"{key}: {run['errors']} errors, {run['n_ok']} answers")
         return check.verdict()
     return 0 if all(r["result"] != "FAIL" for r in rows) else 1

@@ -159,3 +159,20 @@ def test_overload_smoke_measures_every_discipline_priority_and_tenant(tmp_path: 
     assert runs["fifo+cap"]["reasons"].get("queue-full", 0) > 0 and runs["deadline"]["reasons"].get("deadline", 0) > 0
     assert all(r["target"] in run.stdout for r in numbers["rows"])
     assert set(numbers["runs"]["fair"]) == {"fcfs", "fair"}
+
+
+def test_padperf_smoke_measures_both_rules_and_their_padding(tmp_path: Path) -> None:
+    out = tmp_path / "padperf.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "padperf.py"), "--smoke", "--seconds", "1.5",
+                          "--warmup", "0.5", "--users", "48", "--rounds", "1", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    numbers = json.loads(out.read_text())
+    (r,) = numbers["runs"]["rounds"]
+    assert {"thread@sat", "tokens@sat", "naive@sat", "thread@70", "tokens@70", "thread@same", "tokens@same",
+            "offline", "offline_1thread"} <= set(r)
+    # the server's counters saw the padding: the count rule's batches carry much more of it
+    assert r["thread@sat"]["waste"] > r["tokens@sat"]["waste"]
+    assert r["naive@sat"]["waste"] == 0 and r["thread@same"]["waste"] == 0
+    assert numbers["rows"][0]["target"] == "1 token-aware/item-count items/s"
+    assert all(row["target"] in run.stdout for row in numbers["rows"])

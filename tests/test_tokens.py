@@ -66,20 +66,26 @@ def test_tokens_rule_pads_little_where_the_count_rule_pads_much() -> None:
     assert token_end < count_end / 2  # the same backlog, half the time or less
 
 
-def test_the_oldest_anchors_every_batch_so_none_waits_more_batches_than_were_ahead() -> None:
+def test_the_shortest_anchors_until_the_oldest_is_overdue_then_the_oldest_does() -> None:
+    """At every dispatch: the oldest waiting text leaves if it has waited the age bound, else the shortest
+    does; so no text waits past the bound once it is the oldest, plus the batch in the model."""
+    from labserver.strategies import Tokens
+
     arrivals, tokens = long_tailed(1500, seed=3)
     run = simulate(make_strategy("tokens", Limits(max_batch_size=16)), arrivals, COST, tokens=tokens)
-    starts = np.array([b.dispatched_s for b in run.batches])
-    frame = run.frame()
-    for k, row in enumerate(frame.itertuples()):
-        ahead = int(((frame.arrival_s < row.arrival_s) & (frame.left_s >= row.arrival_s)).sum())
-        batches_waited = int(((starts >= row.arrival_s) & (starts < row.left_s)).sum())
-        assert batches_waited <= ahead, (k, batches_waited, ahead)
-    # and at every dispatch the oldest waiting text leaves
+    frame = run.frame().assign(tokens=tokens)
+    bound_s = Tokens.age_bound_ms / 1000
+    overdue_seen = 0
     for b in run.batches:
         waiting = frame[(frame.arrival_s <= b.dispatched_s) & (frame.left_s >= b.dispatched_s)]
-        oldest = waiting.sort_values("arrival_s").iloc[0]
-        assert oldest.left_s == b.dispatched_s
+        oldest = waiting.sort_values("arrival_s", kind="stable").iloc[0]
+        if b.dispatched_s - oldest.arrival_s >= bound_s:
+            overdue_seen += 1
+            assert oldest.left_s == b.dispatched_s
+        else:
+            assert waiting.loc[waiting.left_s == b.dispatched_s, "tokens"].min() == waiting["tokens"].min()
+    assert overdue_seen > 10  # the backlog made the bound matter
+    assert frame.status.eq(200).all()
 
 
 def test_a_text_over_the_budget_goes_alone() -> None:
@@ -155,3 +161,13 @@ def test_tokens_path_embeddings_equal_one_at_a_time(minilm) -> None:  # type: ig
     assert max(sizes) > 1  # they were batched (grouped by length), not one at a time
     for mine, ref in zip(got, alone, strict=True):
         np.testing.assert_allclose(np.asarray(mine["embedding"]), ref, atol=1e-5)
+
+
+def test_no_tokens_batch_pads_past_its_cap() -> None:
+    from labserver.strategies import Tokens
+
+    arrivals, tokens = long_tailed(2000, seed=5)
+    run = simulate(make_strategy("tokens", Limits(max_batch_size=None, max_batch_tokens=2048)), arrivals, COST,
+                   tokens=tokens)
+    assert all(b.padding <= Tokens.max_padding + 1e-12 for b in run.batches)
+    assert max(run.sizes) > 32  # the cap on padding still leaves room for big batches of short texts

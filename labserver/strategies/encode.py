@@ -222,19 +222,24 @@ class SLO(Thread):
 
 @register
 class Tokens(Thread):
-    """Batches by tokens, texts of a length together (text-embeddings-inference's budget, plus grouping).
+    """Batches by tokens, as text-embeddings-inference does, with texts of a length together.
 
     A batch costs its longest text's tokens x its size: one long text among short ones makes
     every short one pay for the long one's length in padding. This rule collects as the thread
     rule does (until nothing else is queued, the deadline, or enough waiting to fill a batch),
-    then the oldest waiting text *anchors* the batch and its companions are the waiting texts
-    nearest its length, while the padded cost (longest x count) stays within ``max_batch_tokens``
-    and the count within ``max_batch_size``. The oldest always goes, so no text starves: one waits
-    at most as many batches as there were texts ahead of it. A text over the budget goes alone.
+    then picks an *anchor*: the oldest waiting text once it has waited ``age_bound_ms``, else the
+    shortest. Its companions are the waiting texts nearest its length, while the padded cost
+    (longest x count) stays within ``max_batch_tokens``, the count within ``max_batch_size`` and the
+    padding within ``max_padding`` of the batch (a text that would pad more waits for its own kind).
+    Short texts go first and long ones gather until they go together; none starves, since a
+    text past the bound anchors the next batch unless an older one does. A text over the budget
+    goes alone.
     """
 
     name = "tokens"
     default_batch_tokens: ClassVar[int] = 2048  # without max_batch_tokens; TEI's GPU default is 16384
+    age_bound_ms: ClassVar[float] = 100.0  # a text waiting this long anchors the next batch (oldest first)
+    max_padding: ClassVar[float] = 0.1  # a companion joins only if the batch's padding stays within this share
 
     @property
     def batch_tokens(self) -> float:
@@ -260,21 +265,28 @@ class Tokens(Thread):
                 break
             pool.append(item)
         waiting = queue.waiting()
-        batch = self.group(pool[0], pool[1:] + waiting)
+        batch = self.group(pool + waiting, clock())
         chosen = {id(i) for i in batch}
         queue.take([i for i in waiting if id(i) in chosen])
-        for item in reversed(pool[1:]):  # taken but not chosen: back to the head, the oldest first
+        for item in reversed(pool):  # taken but not chosen: back to the head, the oldest first
             if id(item) not in chosen:
                 queue.putback(item)
         return batch, reason
 
-    def group(self, anchor: Any, others: list[Any]) -> list[Any]:
-        """The anchor, then the others nearest its length (the older first on a tie), within both limits."""
-        batch, longest = [anchor], anchor.tokens
+    def group(self, candidates: list[Any], now: float) -> list[Any]:
+        """The anchor (the first candidate, the oldest, once it waited ``age_bound_ms``; else the shortest, the
+        older on a tie), then the others nearest its length, the older first on a tie, while the batch keeps
+        within both limits and its padding within ``max_padding`` of the tokens it computes."""
+        oldest = candidates[0]
+        overdue = (now - oldest.enqueued_s) * 1000 >= self.age_bound_ms
+        anchor = oldest if overdue else min(candidates, key=lambda i: i.tokens)
+        batch, longest, real = [anchor], anchor.tokens, anchor.tokens
+        others = [i for i in candidates if i is not anchor]
         for item in sorted(others, key=lambda i: abs(i.tokens - anchor.tokens)):  # (a stable sort: age breaks ties)
             if len(batch) >= self.limits.cap:
                 break
-            if max(longest, item.tokens) * (len(batch) + 1) <= self.batch_tokens:
+            padded = max(longest, item.tokens) * (len(batch) + 1)
+            if padded <= self.batch_tokens and padded - real - item.tokens <= self.max_padding * padded:
                 batch.append(item)
-                longest = max(longest, item.tokens)
+                longest, real = max(longest, item.tokens), real + item.tokens
         return batch
