@@ -266,8 +266,8 @@ class PaddedCost:
     """A model's measured cost of a padded batch: ``n`` texts padded to ``longest`` tokens.
 
     ``table`` holds the timings (columns ``size``, ``tokens``, ``ms``: the median of the calls);
-    ``a + b * n * longest + c * n * longest**2`` is fitted to them by least squares (the last term:
-    attention, quadratic in the length), the cost the virtual clock charges a batch.
+    ``a + b * n * longest + c * n * longest**2`` is fitted to them by least squares on relative errors
+    (the last term: attention, quadratic in the length), the cost the virtual clock charges a batch.
     """
 
     a: float
@@ -305,7 +305,9 @@ def padded_cost(model: Any, sizes: Sequence[int] = (1, 8, 32), lengths: Sequence
             rows.append({"size": n, "tokens": tokens, "ms": float(np.median(took))})
     table = pd.DataFrame(rows)
     x = np.column_stack([np.ones(len(table)), table["size"] * table["tokens"], table["size"] * table["tokens"] ** 2])
-    a, b, c = np.linalg.lstsq(x, table["ms"].to_numpy(), rcond=None)[0]
+    ms = table["ms"].to_numpy()
+    # relative errors (each row over its own time): a plain fit would serve the big batches and miss the small
+    a, b, c = np.linalg.lstsq(x / ms[:, None], np.ones(len(ms)), rcond=None)[0]
     return PaddedCost(max(0.0, float(a)), max(0.0, float(b)), max(0.0, float(c)), table)
 
 
