@@ -183,6 +183,14 @@ class SimRun:
     def sizes(self) -> list[int]:
         return [b.size for b in self.batches]
 
+    @property
+    def end_s(self) -> float:
+        """Virtual time the last batch finished (0 with none): a backlog's answers / end_s is the rule's capacity."""
+        if not self.batches:
+            return 0.0
+        last = self.batches[-1]
+        return last.dispatched_s + last.compute_ms / 1000
+
     def frame(self) -> Any:
         """Every arrival as a row: arrival_s, priority, status, reason, done_s, left_s, latency_ms."""
         import pandas as pd
