@@ -171,3 +171,26 @@ def test_no_tokens_batch_pads_past_its_cap() -> None:
                    tokens=tokens)
     assert all(b.padding <= Tokens.max_padding + 1e-12 for b in run.batches)
     assert max(run.sizes) > 32  # the cap on padding still leaves room for big batches of short texts
+
+
+def test_padding_pictures_draw_from_a_virtual_run() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    from labserver import analysis, plots
+
+    arrivals, tokens = long_tailed(400)
+    run = simulate(make_strategy("thread", Limits(max_batch_size=16)), arrivals, COST, tokens=tokens)
+    frame = analysis.batch_frame(run.batches, label="thread")
+    assert frame["start_s"].iloc[0] == 0 and (frame["padding"].between(0, 1)).all()
+    assert analysis.padding_share(run.batches) == pytest.approx(
+        1 - frame["tokens"].sum() / frame["padded_tokens"].sum())
+    ax = plots.batch_gantt(frame, color="padding")
+    assert "padding" in ax.get_title() and len(ax.patches) == len(frame)
+    with pytest.raises(ValueError, match="color"):
+        plots.batch_gantt(frame, color="tokens")
+    summary = pd.DataFrame({"label": ["thread", "thread"], "load": [0.5, 1.0], "padding": [0.4, 0.8]})
+    ax = plots.padding_vs_load(summary)
+    assert ax.get_ylim() == (0.0, 1.0) and len(ax.lines) == 1

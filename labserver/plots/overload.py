@@ -32,14 +32,8 @@ def goodput_vs_load(summary: pd.DataFrame, ax: Axes | None = None, *, x: str = "
         top = float(summary[x].max())
         grid = np.linspace(0.0, max(top, 1.0), 100)
         ax.plot(grid, np.minimum(grid, capacity), "--", color="0.5", linewidth=1, label="ideal: min(load, capacity)")
-    ax.set_xlim(left=0)
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("offered load (multiples of capacity)" if x == "load" else x)
-    ax.set_ylabel("goodput (multiples of capacity)" if y == "goodput_share" else y)
-    ax.set_title(title or "Goodput against offered load")
-    ax.grid(True, alpha=0.3)
-    legend(ax, fontsize="small")
-    return ax
+    return _against_load(ax, x, "goodput (multiples of capacity)" if y == "goodput_share" else y,
+                         title or "Goodput against offered load")
 
 
 def padding_vs_load(summary: pd.DataFrame, ax: Axes | None = None, *, x: str = "load", y: str = "padding",
@@ -52,11 +46,18 @@ def padding_vs_load(summary: pd.DataFrame, ax: Axes | None = None, *, x: str = "
     ax = get_ax(ax)
     if not _lines(ax, summary, x, y, by):
         return empty(ax, f"no {x} / {y} columns to draw")
-    ax.set_xlim(left=0)
     ax.set_ylim(0, 1)
+    return _against_load(ax, x, "padding: (padded - real) / padded tokens" if y == "padding" else y,
+                         title or "Padding against offered load")
+
+
+def _against_load(ax: Axes, x: str, ylabel: str, title: str) -> Axes:
+    """The axes both pictures against load share: from zero, labelled, a light grid, a legend."""
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("offered load (multiples of capacity)" if x == "load" else x)
-    ax.set_ylabel("padding: (padded - real) / padded tokens" if y == "padding" else y)
-    ax.set_title(title or "Padding against offered load")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, alpha=0.3)
     legend(ax, fontsize="small")
     return ax
