@@ -26,7 +26,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="minilm (embedded default), bert-base-random, synthetic:BASE+PER_ITEM, echo, "
                         "or a Hugging Face id / local folder; for gen-* strategies: gpt2-random (their "
-                        "default), gpt2-tiny-random, synthetic-gen:PREFILL+STEP")
+                        "default), gpt2-tiny-random, synthetic-gen:PREFILL+STEP, or a folder of a GPT-2, Llama or "
+                        "Qwen2 causal LM (labserver tiny-model writes one)")
     p.add_argument("--task", default=None, help="pipeline task for a hub id or folder")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="(default: auto)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
@@ -52,8 +53,11 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
     p.add_argument("--target-ms", type=float, default=_LIMITS.target_ms,
                    help="slo: the latency target; a batch may spend half of it waiting (default: %(default)s)")
     p.add_argument("--max-kv-tokens", type=int, default=None,
-                   help="gen-*: KV-cache tokens the running sequences may hold (default: max-batch x the model's "
-                        "context)")
+                   help="gen-*: KV-cache tokens the running sequences may hold (default: max-batch, at most 64, x "
+                        "the model's context, at most 2048)")
+    p.add_argument("--kv-memory-mb", type=float, default=None,
+                   help="gen-*: KV-cache memory in MiB; the pool holds what fits at the model's bytes per position "
+                        "(layers x 2 x KV heads x head size x dtype); with --max-kv-tokens, the smaller")
     p.add_argument("--kv-block-tokens", type=int, default=_LIMITS.kv_block_tokens,
                    help="gen-*: tokens per KV block, the unit memory is taken in (default: %(default)s)")
     p.add_argument("--prefix-cache", action="store_true",
@@ -110,6 +114,7 @@ def limits_from(args: argparse.Namespace) -> Limits:
         target_ms=args.target_ms,
         max_batch_tokens=args.max_batch_tokens,
         max_kv_tokens=args.max_kv_tokens,
+        kv_memory_mb=args.kv_memory_mb,
         kv_block_tokens=args.kv_block_tokens,
         prefix_cache=args.prefix_cache,
         prefill=args.prefill,

@@ -68,7 +68,7 @@ from .genbase import GenCounters, GenEngine
 from .sequence import Seq
 
 if TYPE_CHECKING:
-    from ..models.gpt2 import GPT2Gen
+    from ..models.paged import PagedLM as GPT2Gen
 
 logger = logging.getLogger(__name__)
 
@@ -326,7 +326,7 @@ class HFEngine(GenEngine):
         for token in tokens:
             if seq.finished or seq.future.done():
                 return
-            seq.emit(token, now, self.model.eos_id, self.model.text)
+            seq.emit(token, now, self.model.eos_id, self.model.text, getattr(self.model, "eos_ids", ()))
             self.counters.tokens_generated += 1
 
     def _done(self, seq: Seq, reason: str | None, error: BaseException | None) -> None:

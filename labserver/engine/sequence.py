@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,9 +93,11 @@ class Seq:
         """The client left, or the request was answered otherwise (timeout, shutdown)."""
         return self.future.done() and not self.finished
 
-    def emit(self, token: int, now: float, eos_id: int | None, text: Callable[[list[int]], str] | None = None) -> None:
+    def emit(self, token: int, now: float, eos_id: int | None, text: Callable[[list[int]], str] | None = None,
+             eos_ids: Collection[int] = ()) -> None:
         """Append a token; finish on a stop string, max_new_tokens or EOS; wake whoever streams it.
 
+        ``eos_ids``: further tokens that end it as EOS does (a model whose config lists several).
         ``text`` (the model's detokenizer) is read only for a sequence with stop strings. With
         ``eos_prob``, the token becomes EOS with that probability, drawn per position: a trained
         model's end of answer, which nobody can know in advance (random weights never choose it).
@@ -112,7 +114,7 @@ class Seq:
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
-        elif token == eos_id and may_end:
+        elif (token == eos_id or token in eos_ids) and may_end:
             self.finish_reason = "eos"
         if self.finished:
             self.finished_s = now

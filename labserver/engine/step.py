@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..models import GenModel, InputRejected, Sampling
+from ..models import GenModel, InputRejected, ModelLoadError, Sampling
 from ..strategies import GenStrategy
 from .blocks import BlockManager
 from .counters import Metric, gauge
@@ -44,6 +44,27 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Running", "Seq", "StepCounters", "StepEngine", "StepRecord"]
 
+DEFAULT_SEQS, DEFAULT_CONTEXT = 64, 2048  # no budget given: this many sequences of this much context, at most
+
+
+def kv_budget_tokens(limits: Any, model: GenModel) -> int:
+    """Positions the KV pool holds: ``max_kv_tokens``, or what ``kv_memory_mb`` holds at the model's bytes per
+    position (the smaller, given both); neither: ``max_batch_size`` (at most 64) x the context (at most 2,048)."""
+    budgets = [limits.max_kv_tokens] if limits.max_kv_tokens else []
+    if limits.kv_memory_mb is not None:
+        per = getattr(model, "kv_bytes_per_token", 0)
+        if not per:
+            raise ModelLoadError(f"kv_memory_mb needs a model that says its KV bytes per position; {model.name} "
+                                 "does not: give max_kv_tokens")
+        budgets.append(int(limits.kv_memory_mb * 2**20) // per)
+        if budgets[-1] < limits.kv_block_tokens:
+            raise ModelLoadError(f"kv_memory_mb={limits.kv_memory_mb:g} holds {budgets[-1]} positions of {per:,} "
+                                 f"bytes ({model.name}): less than one block of {limits.kv_block_tokens}")
+    if budgets:
+        return min(budgets)
+    return int(min(limits.cap, DEFAULT_SEQS) * min(model.max_context, DEFAULT_CONTEXT))
+
+
 class StepEngine(GenEngine):
     """One generation strategy, one generative model, the queue, the scheduler, and the loop over calls."""
 
@@ -52,13 +73,18 @@ class StepEngine(GenEngine):
     def __init__(self, strategy: GenStrategy, model: GenModel, *, clock: Callable[[], float] = time.perf_counter,
                  queue: Any = None, history: int = 20_000) -> None:
         super().__init__(strategy, model, StepCounters(), clock=clock, queue=queue)
+        if not getattr(model, "paged", True):  # a causal LM folder with no forward pass here (models.causal)
+            raise ModelLoadError(f"{strategy.name} runs labserver's own forward passes, which cannot run "
+                                 f"{model.why}; serve it with --strategy gen-hf-cb (transformers' own manager)")
         limits = self.limits
-        budget = limits.max_kv_tokens or min(limits.cap, 64) * model.max_context  # no budget: cap x full context
+        budget = kv_budget_tokens(limits, model)
         self.blocks = BlockManager(budget // limits.kv_block_tokens, limits.kv_block_tokens,
                                    prefix_cache=limits.prefix_cache)
         model.allocate_kv(self.blocks.total, self.blocks.block_tokens)
         self.scheduler = Scheduler(strategy, self.queue, self.blocks, self.counters, clock, self.live, self._emit,
                                    history)
+        self._eos_ids = frozenset(getattr(model, "eos_ids", ()))
+        self._bytes_per_token = int(getattr(model, "kv_bytes_per_token", 0))
         self.in_flight = self.scheduler.running.seqs  # (the same list) what drain waits for and a dying worker fails
 
     @property
@@ -115,7 +141,7 @@ class StepEngine(GenEngine):
             await self.call(self.model.release, released)
 
     def _emit(self, seq: Seq, token: int, now: float) -> None:
-        seq.emit(token, now, self.model.eos_id, self.model.text)
+        seq.emit(token, now, self.model.eos_id, self.model.text, self._eos_ids)
 
     # -- what /stats shows ------------------------------------------------------------------
     def metrics(self) -> list[Metric]:
@@ -127,6 +153,12 @@ class StepEngine(GenEngine):
                       label="state"),
                 gauge("kv_block_tokens", "Tokens per KV block", b.block_tokens),
                 gauge("kv_blocks_total", "KV-cache blocks in the pool", b.total),
+                gauge("kv_tokens_total", "KV-cache positions the pool holds (its token budget)",
+                      b.total * b.block_tokens),
+                gauge("kv_bytes_per_token", "KV memory one position holds: layers x 2 x KV heads x head size x "
+                      "dtype size (0: the model does not say)", self._bytes_per_token),
+                gauge("kv_memory_bytes", "KV memory of the whole pool (its byte budget)",
+                      b.total * b.block_tokens * self._bytes_per_token),
                 Metric("kv_blocks_evicted", "Cached blocks whose memory was taken for something else", "counter",
                        b.evicted),
                 gauge("prefix_hit_rate", "Share of prompt tokens the prefix cache held (null: no prompt yet)",

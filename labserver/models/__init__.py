@@ -11,6 +11,7 @@ a hub id or folder                 encode    any transformers pipeline (``encode
 ``synthetic:BASE+PER``, ``echo``   encode    known cost, no compute (``synthetic``)
 ``gpt2-random``                    generate  GPT-2 small's shape, random weights (``gpt2``)
 ``gpt2-tiny-random``               generate  2 layers, 64 wide: for tests (``gpt2``)
+a causal LM folder                 generate  GPT-2, Llama, Qwen2: your own (``causal``)
 ``synthetic-gen:PREFILL+STEP``     generate  known cost, no compute (``synthetic``)
 =================================  ========  =============================================
 
@@ -85,21 +86,25 @@ def model_names(kind: str | None = None) -> list[str]:
 
 
 def load_model(spec: str = "minilm", *, device: str = "auto", dtype: str = "auto", task: str | None = None,
-               kind: str | None = None) -> Model | GenModel:
+               kind: str | None = None, paged: bool = True) -> Model | GenModel:
     """Load the model a spec names, once. Raises ModelLoadError with what to do on failure.
 
     ``kind`` ("encode" or "generate"), when given, is checked against the spec before
-    anything loads, so a generation server asked for an encoder fails at once.
+    anything loads, so a generation server asked for an encoder fails at once. ``paged``
+    False (``gen-hf-cb``): a causal LM folder of a family with no forward pass here loads
+    anyway, for transformers' own manager to run.
     """
     family = find_spec(spec)
     if kind is not None and kind != family.kind:
         if kind == "generate":
-            raise ModelLoadError(f"{spec!r} is not a generative model; use one of: {', '.join(model_names(kind))}")
+            raise ModelLoadError(f"{spec!r} is not a generative model; use one of: {', '.join(model_names(kind))} "
+                                 "(a folder whose config.json is a causal LM)")
         raise ModelLoadError(f"{spec!r} is a generative model; an encoder strategy needs an encoder "
                              f"({', '.join(model_names('encode'))})")
     keep_freed_memory()  # (once per process: torch's freed tensors stay for reuse, no page faults per op)
     try:  # (built on a thread that ends: no OpenMP team is left behind to slow the model thread)
-        return on_fresh_thread(lambda: family.load(spec, device=device, dtype=dtype, task=task))
+        extra = {} if family is not _FOLDER else {"paged": paged}
+        return on_fresh_thread(lambda: family.load(spec, device=device, dtype=dtype, task=task, **extra))
     except ModelLoadError:
         raise
     except ImportError as e:
@@ -145,6 +150,23 @@ def _synthetic_gen(spec: str, **_: Any) -> GenModel:
 @register_model("synthetic:BASE_MS+PER_MS", "encode", lambda spec: spec.startswith("synthetic"))
 def _synthetic(spec: str, **_: Any) -> Model:
     return parse_synthetic(spec)
+
+
+def _folder(spec: str, *, device: str, dtype: str, task: str | None, paged: bool = True) -> GenModel:
+    from .causal import load_folder
+
+    return load_folder(spec, device=device, dtype=dtype, paged=paged)  # type: ignore[no-any-return]
+
+
+def _is_causal_folder(spec: str) -> bool:
+    from .causal import causal_config  # (no torch: reads a config.json)
+
+    return causal_config(spec) is not None
+
+
+# a folder (or cached hub id) of a causal LM: asked first, since a folder on disk is the most specific name
+_FOLDER = ModelSpec("a causal LM folder (gpt2, llama, qwen2)", "generate", _is_causal_folder, _folder)
+MODELS.insert(0, _FOLDER)
 
 
 def _hub(spec: str, *, device: str, dtype: str, task: str | None) -> Model:

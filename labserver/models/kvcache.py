@@ -1,7 +1,10 @@
 """The KV cache as a pool of blocks, and attention over it with no padding: what a model call reads and writes.
 
-Per layer, one K and one V tensor of ``blocks * block_tokens`` *slots*, ``[slots, heads,
-head_dim]``: slot s holds one position's keys (or values) for every head. Position p of a
+Per layer, one K and one V tensor of ``blocks * block_tokens`` *slots*, ``[slots, kv_heads,
+head_dim]``: slot s holds one position's keys (or values) for every KV head. With
+grouped-query attention (Llama, Qwen2) several query heads share one KV head, so a
+position holds ``heads / kv_heads`` times fewer bytes than multi-head attention's (GPT-2:
+one KV head per query head). Position p of a
 sequence lives in slot ``table[p // block_tokens] * block_tokens + p % block_tokens`` of
 its block table: sequences of any lengths share the pool with no padding, and a block
 freed by one is taken by the next (``labserver.engine.blocks`` says which blocks each
@@ -58,6 +61,7 @@ class PagedKV:
     """K and V for every layer in one pool of blocks. Call it under ``torch.inference_mode()``."""
 
     def __init__(self, layers: int, heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
+        """``heads``: the KV heads (fewer than the query heads under grouped-query attention)."""
         self.layers, self.heads, self.head_dim = layers, heads, head_dim
         self.device, self.dtype = device, dtype
         self.allocate(0, 16)
@@ -111,20 +115,24 @@ class PagedKV:
         return CallPlan(torch.tensor(write, dtype=torch.long, device=dev), decodes, prompts)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan) -> torch.Tensor:
-        """q, k, v: [tokens, heads, head_dim] of the call's new tokens -> attention output, the same shape."""
+        """q [tokens, query heads, head_dim], k and v [tokens, KV heads, head_dim] of the call's new tokens
+        -> attention output, q's shape. Query head h reads KV head h // (query heads / KV heads)."""
         keys, values = self.k[layer], self.v[layer]
+        gqa = q.shape[1] != self.heads
         keys[plan.write] = k  # first every new token's K and V into its slot, then each sequence reads its own
         values[plan.write] = v
         out = torch.empty_like(q)
-        heads, dim = self.heads, self.head_dim
+        heads, dim = self.heads, self.head_dim  # (the KV heads)
         for rows, read, longest, mine in plan.decodes:
             n = len(rows)
             kk = keys.index_select(0, read).view(n, longest, heads, dim).transpose(1, 2)  # [n, heads, longest, dim]
             vv = values.index_select(0, read).view(n, longest, heads, dim).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), kk, vv, attn_mask=mine)  # [n, heads, 1, dim]
+            o = F.scaled_dot_product_attention(q[rows].unsqueeze(2), kk, vv, attn_mask=mine,  # [n, q heads, 1, dim]
+                                               enable_gqa=gqa)
             out[rows] = o.squeeze(2)
         for a, z, read, mask, causal in plan.prompts:
             kk, vv = keys.index_select(0, read).transpose(0, 1), values.index_select(0, read).transpose(0, 1)
-            o = F.scaled_dot_product_attention(q[a:z].transpose(0, 1), kk, vv, attn_mask=mask, is_causal=causal)
+            o = F.scaled_dot_product_attention(q[a:z].transpose(0, 1), kk, vv, attn_mask=mask, is_causal=causal,
+                                               enable_gqa=gqa)
             out[a:z] = o.transpose(0, 1)
         return out

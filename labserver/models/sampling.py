@@ -14,6 +14,8 @@ logprobs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .base import GREEDY, Samplings, position_seed
@@ -22,8 +24,11 @@ __all__ = ["choose"]
 
 
 def choose(logits: torch.Tensor, positions: list[int], sampling: Samplings = None,
-           eos_id: int | None = None) -> list[int]:
-    """One token per row of ``logits`` [batch, vocab]; ``positions[i]``: tokens before row i's choice."""
+           eos_id: int | Sequence[int] | None = None) -> list[int]:
+    """One token per row of ``logits`` [batch, vocab]; ``positions[i]``: tokens before row i's choice.
+
+    ``eos_id``: the token (or tokens) that may not be chosen before a row's ``eos_from``."""
+    eos = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
     if not len(logits):
         return []
     if sampling is None or all(s is None or (s.greedy and s.eos_from <= p) for s, p in zip(sampling, positions)):
@@ -31,9 +36,9 @@ def choose(logits: torch.Tensor, positions: list[int], sampling: Samplings = Non
     out = []
     for row, position, s in zip(logits, positions, sampling, strict=True):
         s = s or GREEDY
-        if eos_id is not None and position < s.eos_from:
+        if eos and position < s.eos_from:
             row = row.clone()
-            row[eos_id] = -torch.inf
+            row[eos] = -torch.inf
         if s.greedy:
             out.append(int(row.argmax()))
             continue

@@ -127,6 +127,7 @@ class SyntheticGen:
     name: str = ""
     note: str | None = "synthetic: no model runs; tokens are placeholders"
     eos_id: int | None = 0
+    kv_bytes_per_token: int = 0  # what a position would hold (a real model's, from its config): 0 says nothing
 
     def __post_init__(self) -> None:
         if not self.name:

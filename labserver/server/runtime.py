@@ -63,7 +63,8 @@ class Runtime:
         try:
             if self.model is None:
                 self.model = await asyncio.to_thread(load_model, cfg.model, device=cfg.device, dtype=cfg.dtype,
-                                                     task=cfg.task, kind=self.strategy.kind)
+                                                     task=cfg.task, kind=self.strategy.kind,
+                                                     paged=getattr(self.strategy, "paged", True))
             if generate != isinstance(self.model, GenModel):
                 raise ModelLoadError(_mismatch(self.strategy.name, cfg.model, generate))
         except ModelLoadError as e:

@@ -48,8 +48,10 @@ class Limits:
     max_batch_tokens: int | None = None  # encoders: a batch's padded tokens (longest x count) at most this; None =
     #   no budget (the tokens rule then takes its own default); one text over it is served alone
     # generation only (gen-* strategies)
-    max_kv_tokens: int | None = None  # KV-cache tokens the running sequences may hold; None: max_batch_size (at most
-    #   64) x the model's context
+    max_kv_tokens: int | None = None  # KV-cache tokens the running sequences may hold; None (and no kv_memory_mb):
+    #   max_batch_size (at most 64) x the model's context (at most 2,048)
+    kv_memory_mb: float | None = None  # KV-cache memory, MiB: the pool holds as many positions as fit, at the
+    #   model's bytes per position (layers x 2 x KV heads x head size x dtype); with max_kv_tokens, the smaller
     kv_block_tokens: int = 16  # tokens per KV block: the unit KV memory is taken and given back in
     prefix_cache: bool = False  # prompts that begin alike share their KV blocks (whole blocks, keyed by tokens)
     prefill: str = "eager"  # gen-continuous, gen-paged: "eager" prefills whole prompts between two steps; "budget"
@@ -77,6 +79,7 @@ class Limits:
             ("kv_block_tokens", self.kv_block_tokens >= 1, ">= 1"),
             ("max_kv_tokens", self.max_kv_tokens is None or self.max_kv_tokens >= self.kv_block_tokens,
              f">= kv_block_tokens ({self.kv_block_tokens}: one block) or None"),
+            ("kv_memory_mb", self.kv_memory_mb is None or self.kv_memory_mb > 0, "> 0 or None"),
             ("prefill", self.prefill in ("eager", "budget", "chunked"), "'eager', 'budget' or 'chunked'"),
             ("max_prefill_tokens", self.max_prefill_tokens >= 1, ">= 1"),
             ("max_step_tokens", self.max_step_tokens >= 1 and (self.prefill != "chunked"

@@ -250,6 +250,7 @@ class GenHFContinuous(GenStrategy):
     """
 
     name = "gen-hf-cb"
+    paged = False  # transformers runs the model: any causal LM folder transformers can build (models.causal)
 
     async def admit(self, queue: Queue, running: Running, clock: Clock) -> Admission:
         if len(running) >= self.limits.cap:

@@ -1,0 +1,94 @@
+"""The Llama family (Llama 2 and 3, SmolLM, TinyLlama, Qwen2 and 2.5) through our own forward pass.
+
+What this is: the generator for a Llama or Qwen2 folder (``labserver.models.causal``
+reads the folder; transformers builds ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` and
+this module only reads its weights). A layer differs from GPT-2's in four places, each a
+line or two below:
+
+- **RMSNorm** instead of LayerNorm: scale by the root mean square, no mean, no bias;
+- **rotary positions** (RoPE) instead of a learned position table: each query and key is
+  rotated by an angle that grows with *its own* position, so a sequence's keys in the
+  pool need no position added later and a decode token at position p is rotated by p,
+  whoever it is batched with (the angles come from the model's own rotary module, so
+  Llama 3's scaled frequencies are the model's);
+- **grouped-query attention**: ``kv_heads`` key/value heads, each shared by
+  ``heads / kv_heads`` query heads; the pool holds only the KV heads
+  (``labserver.models.kvcache``), several times fewer bytes a position than GPT-2's;
+- **SwiGLU**: the MLP is ``down(silu(gate(x)) * up(x))``.
+
+Qwen2 is the same layer with biases on the query, key and value projections (the
+``nn.Linear`` modules carry them) and, for the small ones, the LM head tied to the
+embeddings.
+
+What this is not: sliding-window attention (Mistral, Qwen2 with ``use_sliding_window``),
+QK-norm (Qwen3) or mixture-of-experts layers; ``labserver.models.causal`` refuses those
+folders at startup.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .kvcache import CallPlan
+from .paged import PagedLM
+
+__all__ = ["LlamaGen"]
+
+
+def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    """RMSNorm as transformers computes it: in float32, the weight applied in the input's dtype."""
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [tokens, heads, head_dim], pairing dimension i with i + head_dim / 2 (transformers' layout)."""
+    half = x.shape[-1] // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + turned * sin
+
+
+class LlamaGen(PagedLM):
+    """A GenModel over a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``, run by ``_forward`` over a ``PagedKV``."""
+
+    def __init__(self, name: str, hf_model: Any, tokenizer: Any, *, eos_id: int | None, max_context: int,
+                 note: str | None = None) -> None:
+        config = hf_model.config
+        self.family = config.model_type
+        self.heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        super().__init__(name, hf_model, tokenizer, layers=config.num_hidden_layers, kv_heads=kv_heads,
+                         head_dim=self.head_dim, max_context=max_context, eos_id=eos_id, note=note)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: CallPlan) -> torch.Tensor:
+        """One flattened call ([tokens] ids at their positions) -> final hidden states [tokens, width]."""
+        body = self.hf_model.model
+        x = body.embed_tokens(ids)  # [tokens, width]: no position added here; RoPE rotates q and k
+        t = x.shape[0]
+        cos, sin = body.rotary_emb(x, positions[None])  # [1, tokens, head_dim]: each token's own angles
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
+        heads, kv_heads, dim = self.heads, self.kv.heads, self.head_dim
+        costs = self.costs
+        for i, layer in enumerate(body.layers):
+            t0 = time.perf_counter() if costs else 0.0
+            attn = layer.self_attn
+            h = _rms_norm(x, layer.input_layernorm)
+            q = _rotate(attn.q_proj(h).view(t, heads, dim), cos, sin)
+            k = _rotate(attn.k_proj(h).view(t, kv_heads, dim), cos, sin)
+            v = attn.v_proj(h).view(t, kv_heads, dim)
+            t1 = time.perf_counter() if costs else 0.0
+            attended = self.kv.attend(i, q, k, v, plan).reshape(t, heads * dim)  # query heads share KV heads
+            t2 = time.perf_counter() if costs else 0.0
+            x = x + attn.o_proj(attended)
+            h = _rms_norm(x, layer.post_attention_layernorm)
+            mlp = layer.mlp
+            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))  # SwiGLU
+            if costs:
+                costs.attention_s += t2 - t1
+                costs.matmul_s += t1 - t0 + time.perf_counter() - t2
+        return _rms_norm(x, body.norm)

@@ -1,0 +1,245 @@
+"""What every generator labserver runs itself shares: a tokenizer's text, a KV pool, and the two steps.
+
+``PagedLM`` is a ``GenModel`` over a transformers causal LM whose forward pass is ours: a
+subclass writes ``_forward`` (the family's layers: ``gpt2.GPT2Gen``, ``llama.LlamaGen``)
+and everything else is here, the same for every family:
+
+- text: the tokenizer's own encoding of a prompt, the text of one token as it streams,
+  and the text of an answer (``TokenizerText``);
+- memory: one ``PagedKV`` pool of blocks, sized in positions by the engine, whose bytes
+  per position are the model's (layers x 2 x KV heads x head size x dtype size);
+- the steps: a call is a list of ``Chunk`` flattened into one row of tokens; the scores
+  of the last token of each chunk that samples become its next token
+  (``labserver.models.sampling.choose``).
+
+``TransformersOnly`` is the same text over a causal LM this module cannot run (an
+architecture with no forward pass here): only transformers' own manager
+(``gen-hf-cb``) can serve it, and the step engine refuses it at startup.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from .base import Chunk, InputRejected, ModelError
+from .kvcache import CallPlan, PagedKV
+from .sampling import choose
+
+__all__ = ["Costs", "PagedLM", "TokenizerText", "TransformersOnly"]
+
+
+@dataclass
+class Costs:
+    """Where a model's calls spend their time, summed over calls while ``PagedLM.costs`` is set.
+
+    Wall-clock seconds on the thread that calls the model (on a CPU, torch runs each op
+    before it returns, so a timer around it measures it; on a GPU it would not).
+    """
+
+    attention_s: float = 0.0  # PagedKV.attend: K/V written to their slots, gathered back, attended over
+    matmul_s: float = 0.0  # the linear layers, with their norms and activations
+    total_s: float = 0.0  # whole calls: the above, embeddings, logits, planning, choosing tokens
+    tokens: int = 0  # tokens the calls chose (one per sequence that sampled)
+    calls: int = 0
+    decode_s: float = 0.0  # of total_s, in calls of one token per sequence
+    decode_tokens: int = 0
+    decode_calls: int = 0
+
+    def add_call(self, seconds: float, tokens: int, decode: bool) -> None:
+        self.total_s += seconds
+        self.tokens += tokens
+        self.calls += 1
+        if decode:
+            self.decode_s += seconds
+            self.decode_tokens += tokens
+            self.decode_calls += 1
+
+    def __sub__(self, earlier: Costs) -> Costs:
+        """What was added since ``earlier`` (a copy taken then): the costs of a window."""
+        return Costs(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+    def per_token_ms(self) -> dict[str, float]:
+        """Milliseconds per chosen token: attention, matmuls, the rest, and in all."""
+        n = max(self.tokens, 1)
+        rest = self.total_s - self.attention_s - self.matmul_s
+        return {"attention": 1000 * self.attention_s / n, "matmul": 1000 * self.matmul_s / n,
+                "other": 1000 * rest / n, "total": 1000 * self.total_s / n}
+
+
+def _is_wordpiece(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return type(getattr(backend, "model", None)).__name__ == "WordPiece"
+
+
+class TokenizerText:
+    """A GenModel's text side, from a transformers tokenizer: ``encode``, ``token_text``, ``text``.
+
+    A prompt is encoded as the tokenizer encodes it by default (its BOS included, when it
+    adds one), except that a prompt which already begins with the BOS text (a rendered
+    chat template) gets no second one. ``start_id`` instead puts one token first and asks
+    the tokenizer for no specials (``gpt2-random``: [CLS] plays GPT-2's start of text).
+    """
+
+    name: str
+    max_context: int
+
+    def __init__(self, tokenizer: Any, start_id: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.start_id = start_id
+        self._special = set(tokenizer.all_special_ids)
+        self._wordpiece = _is_wordpiece(tokenizer)
+        self._texts: dict[int, str] = {}  # token -> its streamed text, as tokens are first seen
+
+    def encode(self, prompt: str) -> list[int]:
+        tok = self.tokenizer
+        bos = getattr(tok, "bos_token", None)
+        specials = self.start_id is None and not (bos and prompt.startswith(bos))
+        ids = tok.encode(prompt, add_special_tokens=specials)
+        if all(i in self._special for i in ids):
+            raise InputRejected("the prompt has no tokens; send some text")
+        if self.start_id is not None:
+            ids = [self.start_id, *ids]
+        if len(ids) >= self.max_context:
+            raise InputRejected(f"the prompt is {len(ids)} tokens; {self.name} holds {self.max_context} "
+                                "(prompt + output): shorten it")
+        return ids  # type: ignore[no-any-return]
+
+    def token_text(self, token: int) -> str:
+        """One token's text alone (a special token shows as itself): what ``/generate`` streams."""
+        text = self._texts.get(token)
+        if text is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token)
+            if token in self._special or piece is None:
+                text = str(piece)
+            elif self._wordpiece:
+                text = piece[2:] if piece.startswith("##") else " " + piece  # "##ing" continues a word
+            else:
+                text = self.tokenizer.decode([token])
+                if piece.startswith("\u2581") and not text.startswith(" "):  # SentencePiece's word start
+                    text = " " + text
+            self._texts[token] = text
+        return text
+
+    def text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)  # type: ignore[no-any-return]
+
+
+class PagedLM(TokenizerText):
+    """A GenModel over a transformers causal LM's weights, run by ``_forward`` over a ``PagedKV`` pool.
+
+    A subclass sets the family's shape (``layers``, ``kv_heads``, ``head_dim``) before calling
+    this ``__init__`` and writes ``_forward``; the LM head may be tied to the embeddings.
+    """
+
+    paged = True  # the step engine can run it (TransformersOnly: only gen-hf-cb)
+    family = ""
+
+    def __init__(self, name: str, hf_model: Any, tokenizer: Any, *, layers: int, kv_heads: int, head_dim: int,
+                 max_context: int, eos_id: int | None, note: str | None = None, start_id: int | None = None) -> None:
+        self.name, self.note = name, note
+        self.max_context = max_context
+        super().__init__(tokenizer, start_id)
+        self.hf_model = hf_model  # also driven by labserver.engine.hfcb (transformers' own scheduler)
+        self.eos_id = eos_id
+        self.eos_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)  # every token that ends an answer
+        self._live: set[int] = set()  # sequences prefilled and not released
+        weight = hf_model.get_output_embeddings().weight
+        self._head_bias = hf_model.get_output_embeddings().bias
+        self.kv = PagedKV(layers, kv_heads, head_dim, weight.device, weight.dtype)
+        self.costs: Costs | None = None  # set a Costs to time every call's parts (a benchmark's breakdown)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV memory one position holds: layers x 2 (K and V) x KV heads x head size x dtype size."""
+        return self.kv.bytes_per_token
+
+    # -- the forward pass: the family's ---------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: CallPlan) -> torch.Tensor:
+        """[tokens] ids at their positions -> final hidden states [tokens, width]; attention through ``self.kv``."""
+        raise NotImplementedError
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = hidden @ self.hf_model.get_output_embeddings().weight.T
+        return head if self._head_bias is None else head + self._head_bias
+
+    # -- the two steps (one computation: a decode is a chunk of one token) ------------------
+    def allocate_kv(self, blocks: int, block_tokens: int) -> None:
+        self.kv.allocate(blocks, block_tokens)
+        self._live.clear()
+
+    @torch.inference_mode()
+    def logits(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Compute the chunks; the next-token scores [chunks that sample, vocab], in call order."""
+        for c in chunks:
+            if not c.tokens or c.start < 0 or c.end > self.max_context:
+                raise ModelError(f"sequence {c.sid}: positions {c.start}..{c.end - 1} are not within the model's "
+                                 f"{self.max_context} (the context limit)")
+        dev = self.kv.device
+        plan = self.kv.plan(chunks)
+        ids = torch.tensor([t for c in chunks for t in c.tokens], device=dev)
+        positions = torch.tensor([p for c in chunks for p in range(c.start, c.end)], device=dev)
+        hidden = self._forward(ids, positions, plan)
+        ends = itertools.accumulate(len(c.tokens) for c in chunks)  # each chunk's last row is its end - 1
+        last = torch.tensor([z - 1 for c, z in zip(chunks, ends, strict=True) if c.sample], device=dev)
+        return self._logits(hidden.index_select(0, last))
+
+    def _choose(self, chunks: list[Chunk]) -> list[int | None]:
+        start = time.perf_counter()
+        picked = [c for c in chunks if c.sample]
+        tokens = iter(choose(self.logits(chunks), [c.end for c in picked], [c.sampling for c in picked], self.eos_ids))
+        self._live.update(c.sid for c in chunks)
+        if self.costs:
+            self.costs.add_call(time.perf_counter() - start, len(picked), decode=all(len(c.tokens) == 1 for c in chunks))
+        return [next(tokens) if c.sample else None for c in chunks]
+
+    def prefill(self, chunks: list[Chunk]) -> list[int | None]:
+        return self._choose(chunks) if chunks else []
+
+    def decode(self, chunks: list[Chunk]) -> list[int]:
+        for c in chunks:
+            if c.sid not in self._live:
+                raise ModelError(f"decode of sequence {c.sid}, which has no cache (never prefilled or released)")
+        return self._choose(chunks) if chunks else []  # type: ignore[return-value]
+
+    def release(self, seq_ids: list[int]) -> None:
+        self._live.difference_update(seq_ids)
+
+    @property
+    def cached(self) -> int:
+        """Sequences the engine has not released (a leak shows here)."""
+        return len(self._live)
+
+
+class TransformersOnly(TokenizerText):
+    """A causal LM folder of an architecture with no forward pass here: text, and transformers' model.
+
+    ``gen-hf-cb`` serves it (transformers' manager runs the model); the step engine cannot
+    and says so at startup.
+    """
+
+    paged = False
+    note = None
+
+    def __init__(self, name: str, hf_model: Any, tokenizer: Any, *, max_context: int, eos_id: int | None,
+                 why: str) -> None:
+        self.name, self.max_context, self.eos_id, self.why = name, max_context, eos_id, why
+        self.eos_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)
+        super().__init__(tokenizer)
+        self.hf_model = hf_model
+
+    def allocate_kv(self, blocks: int, block_tokens: int) -> None:
+        raise ModelError(self.why)
+
+    def prefill(self, chunks: list[Chunk]) -> list[int | None]:
+        raise ModelError(self.why)
+
+    def decode(self, chunks: list[Chunk]) -> list[int]:
+        raise ModelError(self.why)
+
+    def release(self, seq_ids: list[int]) -> None:
+        pass
