@@ -16,7 +16,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from . import bench, compare, serve
+from . import bench, compare, folders, serve
 from .args import load_options
 
 __all__ = ["build_parser", "load_options", "main"]
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_bench(sub)
     bench.add_sweep(sub)
     compare.add_plot(sub)
+    folders.add_tiny_model(sub)
     return parser
 
 
