@@ -287,6 +287,19 @@ def test_text_stream_joins_pieces_like_a_whole_decode() -> None:
     assert TextStream(wordpiece).push(tokens, True) == wordpiece(tokens)  # all at once: the same
 
 
+def test_text_stream_holds_half_a_character_and_sends_it_at_the_end() -> None:
+    raw = {1: b"caf", 2: b"\xc3", 3: b"\xa9", 4: b"!"}  # byte-level tokens: "é" is two of them
+
+    def bytes_level(tokens: list[int]) -> str:
+        return b"".join(raw[t] for t in tokens).decode("utf-8", errors="replace")
+
+    stream = TextStream(bytes_level)
+    assert [stream.push([1, 2, 3, 4][:k], False) for k in range(1, 5)] == ["caf", "", "\u00e9", "!"]
+    ends_mid = TextStream(bytes_level)
+    assert ends_mid.push([1, 2], False) == "caf"
+    assert ends_mid.push([1, 2], True) == "\ufffd"  # the answer ends mid-character: nothing is dropped
+
+
 def test_text_stream_never_sends_part_of_a_stop_string() -> None:
     tokens = [5, 6, 7, 8, 9]
     stream = TextStream(wordpiece, stop=["w7 w8"])

@@ -373,18 +373,21 @@ class GenSimRun:
 
 
 def simulate_gen(strategy: Strategy, requests: Iterable[tuple[float, ...]], *, prefill_ms: float = 20.0,
-                 step_ms: float = 10.0, per_token_ms: float = 0.0, per_seq_ms: float = 0.0) -> GenSimRun:
+                 step_ms: float = 10.0, per_token_ms: float = 0.0, per_seq_ms: float = 0.0,
+                 kv_bytes_per_token: int = 0) -> GenSimRun:
     """Every step a generation strategy would run for these requests, on one worker.
 
     ``requests`` are (arrival_s, prompt_tokens, max_new_tokens), optionally with a fourth,
     shared_prefix_tokens; the model is ``synthetic-gen`` (a prefill call costs
     ``prefill_ms + per_token_ms * tokens``, a decode step ``step_ms + per_seq_ms * sequences``),
-    charged to the virtual clock. It is the engine's own step loop (``StepEngine.step_loop``)
+    charged to the virtual clock; ``kv_bytes_per_token`` (a real model's, from its config) lets
+    ``Limits.kv_memory_mb`` size the pool. It is the engine's own step loop (``StepEngine.step_loop``)
     and scheduler with the strategy's own rules (admission, composition, preemption, who
     leaves), KV blocks and ``Limits`` (``eos_prob`` included), run until every request is answered.
     """
     q = GenVirtualQueue(requests, eos_prob=strategy.limits.eos_prob)
-    model = SyntheticGen(prefill_ms, step_ms, per_token_ms=per_token_ms, per_seq_ms=per_seq_ms, sleep=q.advance)
+    model = SyntheticGen(prefill_ms, step_ms, per_token_ms=per_token_ms, per_seq_ms=per_seq_ms, sleep=q.advance,
+                         kv_bytes_per_token=kv_bytes_per_token)
     engine = StepEngine(strategy, model, clock=q.clock, queue=q)  # type: ignore[arg-type]
     engine.accepting = True
     coro = engine.step_loop()

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import minilm_dir
+from .causal import RANDOM_KEY
 
 __all__ = ["FAMILIES", "kv_bytes_per_token", "make_tokenizer", "parameter_count", "write_tiny"]
 
@@ -160,6 +161,7 @@ def write_tiny(family: str, folder: str | Path, *, layers: int = 2, hidden: int 
                 p.add_(torch.randn_like(p), alpha=0.1 if p.flatten()[0] == 1 else 0.01)
     model = model.to(getattr(torch, dtype)).eval()  # built in float32, then rounded: same seed, same weights
     model.config.dtype = dtype
+    setattr(model.config, RANDOM_KEY, True)  # served answers say the weights are random (models.causal)
     model.generation_config = tf.GenerationConfig(**ids)
     tok.model_max_length = max_positions
     folder = Path(folder)

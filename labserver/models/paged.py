@@ -185,7 +185,8 @@ class PagedLM(TokenizerText):
         positions = torch.tensor([p for c in chunks for p in range(c.start, c.end)], device=dev)
         hidden = self._forward(ids, positions, plan)
         ends = itertools.accumulate(len(c.tokens) for c in chunks)  # each chunk's last row is its end - 1
-        last = torch.tensor([z - 1 for c, z in zip(chunks, ends, strict=True) if c.sample], device=dev)
+        last = torch.tensor([z - 1 for c, z in zip(chunks, ends, strict=True) if c.sample], dtype=torch.long,
+                            device=dev)  # (none, when every chunk is a piece of a prompt with more to come)
         return self._logits(hidden.index_select(0, last))
 
     def _choose(self, chunks: list[Chunk]) -> list[int | None]:

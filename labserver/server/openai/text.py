@@ -17,6 +17,11 @@ the last ``len(longest stop) - 1`` characters are held back, so no piece of a st
 string is ever streamed. If the text here shows a stop string first (a window decodes
 a little differently from the whole), ``stopped`` says so and the route ends the
 sequence itself.
+
+Half characters. A byte-level tokenizer (GPT-2, Qwen2) may split one character over
+several tokens; until the last of them arrives the text ends in U+FFFD and is held back.
+An answer that ends mid-character sends what the tokenizer decodes it to, replacement
+character included: nothing a sequence generated is dropped.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class TextStream:
         while self._done < len(tokens) and not self.stopped:
             self._done += 1
             self._advance(tokens[: self._done])
+        if finished and not self.stopped and self._read < len(tokens):
+            self._advance(tokens, last=True)  # a character left half made: what the tokenizer makes of it
         end = len(self.text)
         self.sent = min(self.sent, end)
         if not (finished or self.stopped):
@@ -51,11 +58,11 @@ class TextStream:
         self.sent = end
         return piece
 
-    def _advance(self, tokens: list[int]) -> None:
+    def _advance(self, tokens: list[int], last: bool = False) -> None:
         before = self.decode(tokens[self._prefix:self._read])
         after = self.decode(tokens[self._prefix:])
-        # a trailing U+FFFD is half a multi-byte character: wait for the rest
-        if len(after) > len(before) and not after.endswith("\ufffd"):
+        # a trailing U+FFFD is half a multi-byte character: wait for the rest, unless no more will come
+        if len(after) > len(before) and (last or not after.endswith("\ufffd")):
             self.text += after[len(before):]
             self._prefix, self._read = self._read, len(tokens)
         if self.stop:
