@@ -17,7 +17,7 @@ pytestmark = pytest.mark.torch
 
 TEXT = "Hello, world! naïve café 123"
 ODD = "Ünïcödé ✓ 漢字 🙂 tabs\tand\nnewlines <unk> <|im_start|>"  # bytes the toy vocabularies never saw
-CONFIGS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config"}
+CONFIGS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +170,7 @@ def test_half_precision_folder(tmp_path: Path) -> None:
     ("llama", {"kv_heads": 3}, "must divide heads"),
     ("qwen2", {"heads": 6}, "must divide hidden"),
     ("gpt2", {"kv_heads": 2}, "no grouped-query attention"),
-    ("mistral", {}, "gpt2, llama, qwen2"),
+    ("mistral", {}, "gpt2, llama, qwen2, qwen3"),
 ])
 def test_bad_shapes_are_refused(tmp_path: Path, family: str, kwargs: dict, says: str) -> None:
     with pytest.raises(ValueError, match=says):

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,7 @@ from labserver.strategies import Limits, make_strategy
 from .test_engine_paged import prompts, serve
 from .test_models_gpt2 import Tracker
 
-FAMILIES = ("gpt2", "llama", "qwen2")
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def test_a_folder_loads_as_its_family(family: str, folders: dict[str, Path], mod
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", heads)
     assert model.kv.heads == kv and (kv < heads) == (family != "gpt2")  # Llama and Qwen2 here share KV heads
-    dim = config.hidden_size // heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # (Qwen3 names its own)
     assert model.kv_bytes_per_token == config.num_hidden_layers * 2 * kv * dim * 4 == kv_bytes_per_token(config)
     assert model.note is not None  # random weights say so in every answer
 
@@ -134,7 +137,16 @@ def test_greedy_tokens_served_equal_transformers_generate(family: str, folders: 
         assert stats["kv_memory_bytes"] == stats["kv_tokens_total"] * model.kv_bytes_per_token > 0
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_gen_hf_cb_serves_a_folder_through_transformers_manager(folders: dict[str, Path],
+                                                               models: dict[str, PagedLM]) -> None:
+    model = models["llama"]
+    want = hf_greedy(model, ids_of(model, "hello there"), 8)
+    with labserver.serve("gen-hf-cb", str(folders["llama"]), device="cpu") as h:
+        answer = served(h.url, wire.GENERATE_PATH, {"prompt": "hello there", "max_new_tokens": 8, "ignore_eos": True})
+    assert answer["tokens"] == want
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_chat_goes_through_the_folders_template_with_one_bos(family: str, folders: dict[str, Path],
                                                             models: dict[str, PagedLM]) -> None:
     model = models[family]
@@ -227,3 +239,29 @@ def test_other_architectures_are_refused_by_name_before_loading(folders: dict[st
         make_engine(make_strategy("gen-continuous", Limits()), only)
     with pytest.raises(ModelLoadError, match="not a generative model"):
         load_model(str(minilm_dir()), kind="generate")  # an encoder folder
+
+
+def test_a_hub_id_serves_only_from_the_local_cache(tmp_path: Path) -> None:
+    script = """
+import os
+from pathlib import Path
+from labserver.models import ModelLoadError, kind_of, load_model
+from labserver.models.folders import write_tiny
+repo = Path(os.environ["HF_HUB_CACHE"]) / "models--someone--tiny-qwen"
+write_tiny("qwen2", repo / "snapshots" / "abc123")
+(repo / "refs").mkdir()
+(repo / "refs" / "main").write_text("abc123")
+assert kind_of("someone/tiny-qwen") == "generate" and kind_of("someone/not-cached") == "encode"
+model = load_model("someone/tiny-qwen", device="cpu", kind="generate")
+assert model.family == "qwen2" and model.encode("hi"), model
+try:
+    load_model("someone/not-cached", kind="generate")
+except ModelLoadError as e:
+    assert "nothing downloads" in str(e) and "tiny-model" in str(e), e
+else:
+    raise AssertionError("an uncached hub id loaded")
+print("ok")
+"""
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

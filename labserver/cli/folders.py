@@ -14,13 +14,13 @@ __all__ = ["add_tiny_model", "cmd_tiny_model"]
 def add_tiny_model(sub: argparse._SubParsersAction) -> None:
     from ..models.folders import DTYPE_BYTES, FAMILIES
 
-    p = sub.add_parser("tiny-model", help="write a tiny random-weight model folder (gpt2, llama, qwen2), offline")
+    p = sub.add_parser("tiny-model", help="write a tiny random-weight model folder (gpt2, llama, qwen2, qwen3), offline")
     p.add_argument("family", choices=FAMILIES)
     p.add_argument("folder")
     p.add_argument("--layers", type=int, default=2, help="(default: %(default)s)")
     p.add_argument("--hidden", type=int, default=64, help="(default: %(default)s)")
     p.add_argument("--heads", type=int, default=8, help="query heads (default: %(default)s)")
-    p.add_argument("--kv-heads", type=int, help="KV heads (default: gpt2 as many as --heads, llama and qwen2 2)")
+    p.add_argument("--kv-heads", type=int, help="KV heads (default: gpt2 as many as --heads, the others 2)")
     p.add_argument("--vocab-size", type=int, default=1024, help="(default: %(default)s)")
     p.add_argument("--dtype", choices=list(DTYPE_BYTES), default="float32", help="(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="same seed, same weights (default: %(default)s)")

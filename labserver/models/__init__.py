@@ -97,8 +97,10 @@ def load_model(spec: str = "minilm", *, device: str = "auto", dtype: str = "auto
     family = find_spec(spec)
     if kind is not None and kind != family.kind:
         if kind == "generate":
-            raise ModelLoadError(f"{spec!r} is not a generative model; use one of: {', '.join(model_names(kind))} "
-                                 "(a folder whose config.json is a causal LM)")
+            raise ModelLoadError(f"{spec!r} is not a generative model labserver can load; use one of: "
+                                 f"{', '.join(model_names(kind))}. A hub id counts only once the local Hugging Face "
+                                 "cache holds it (nothing downloads at run time): download it first, or write a tiny "
+                                 "random folder (labserver tiny-model llama FOLDER)")
         raise ModelLoadError(f"{spec!r} is a generative model; an encoder strategy needs an encoder "
                              f"({', '.join(model_names('encode'))})")
     keep_freed_memory()  # (once per process: torch's freed tensors stay for reuse, no page faults per op)
@@ -165,7 +167,7 @@ def _is_causal_folder(spec: str) -> bool:
 
 
 # a folder (or cached hub id) of a causal LM: asked first, since a folder on disk is the most specific name
-_FOLDER = ModelSpec("a causal LM folder (gpt2, llama, qwen2)", "generate", _is_causal_folder, _folder)
+_FOLDER = ModelSpec("a causal LM folder (gpt2, llama, qwen2, qwen3)", "generate", _is_causal_folder, _folder)
 MODELS.insert(0, _FOLDER)
 
 

@@ -10,6 +10,7 @@ family     the folders (``model_type``)                          forward pass
 GPT-2      ``gpt2``: GPT-2, DistilGPT-2                          ``gpt2.GPT2Gen``
 Llama      ``llama``: Llama 2 and 3, SmolLM, TinyLlama           ``llama.LlamaGen``
 Qwen2      ``qwen2``: Qwen2, Qwen2.5                             ``llama.LlamaGen``
+Qwen3      ``qwen3``: Qwen3 (dense)                              ``llama.LlamaGen``
 =========  ====================================================  =========================
 
 Any other causal LM (or one of these with a feature the forward passes lack, such as
@@ -37,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_CONTEXT_CAP", "PAGED_FAMILIES", "causal_config", "load_folder", "refusal"]
 
-PAGED_FAMILIES = {"gpt2": "GPT-2", "llama": "Llama (Llama 2/3, SmolLM, TinyLlama)", "qwen2": "Qwen2 (Qwen2, Qwen2.5)"}
+PAGED_FAMILIES = {"gpt2": "GPT-2", "llama": "Llama (Llama 2/3, SmolLM, TinyLlama)", "qwen2": "Qwen2 (Qwen2, Qwen2.5)",
+                  "qwen3": "Qwen3 (dense)"}
 SUPPORTED = "; ".join(f"{k}: {v}" for k, v in PAGED_FAMILIES.items())
 DEFAULT_CONTEXT_CAP = 2048  # positions a default KV budget gives each sequence (a 128k context would be terabytes)
 RANDOM_KEY = "labserver_random_weights"  # set in config.json by folders.write_tiny: answers say so

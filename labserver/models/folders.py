@@ -1,8 +1,8 @@
-"""Tiny random-weight model folders of three causal-LM families, written offline.
+"""Tiny random-weight model folders of the causal-LM families labserver runs, written offline.
 
 What this is: ``write_tiny(family, folder)`` writes a folder that plain transformers loads
 (``AutoModelForCausalLM.from_pretrained(folder)``, ``AutoTokenizer.from_pretrained(folder)``)
-for GPT-2, Llama or Qwen2: config.json, generation_config.json, model.safetensors and a
+for GPT-2, Llama, Qwen2 or Qwen3: config.json, generation_config.json, model.safetensors and a
 real BPE tokenizer. The weights are transformers' own initialisation after
 ``torch.manual_seed(seed)`` (same arguments, same bytes), except that the norm weights and
 biases it starts at ones and zeros get a little noise: a forward pass that forgets one of
@@ -13,8 +13,10 @@ vocabulary and merges, so it encodes the same before and after ``from_pretrained
 Each tokenizer has its family's shape: GPT-2's byte-level BPE with ``<|endoftext|>`` and no
 BOS; Llama's SentencePiece-style BPE (``▁`` for spaces, byte fallback through 256
 ``<0xNN>`` tokens, ``<unk> <s> </s>`` first, ``<s>`` added on encode); Qwen2's byte-level
-BPE with ChatML's ``<|im_start|> <|im_end|>``. Llama and Qwen2 default to grouped-query
-attention (8 query heads sharing 2 KV heads); ``kv_heads=heads`` gives the multi-head twin.
+BPE with ChatML's ``<|im_start|> <|im_end|>`` (Qwen3 shares it). Llama, Qwen2 and Qwen3
+default to grouped-query attention (8 query heads sharing 2 KV heads); ``kv_heads=heads``
+gives the multi-head twin. Qwen3's heads are 16 wide whatever ``hidden`` is (its config
+names ``head_dim``, as Qwen3's own do), and it normalises each query and key head.
 ``kv_bytes_per_token(config)`` is what one token's keys and values cost a KV cache.
 
 What this is not: a model. The text is meaningless (random weights, a toy vocabulary), and
@@ -34,7 +36,8 @@ from .causal import RANDOM_KEY
 
 __all__ = ["FAMILIES", "kv_bytes_per_token", "make_tokenizer", "parameter_count", "write_tiny"]
 
-FAMILIES = ("gpt2", "llama", "qwen2")
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
+QWEN3_HEAD_DIM = 16  # Qwen3 names its head size (128 for 0.6B's 1,024 wide, 16 heads: not hidden / heads)
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 SENTENCES = ("The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
              "<|system|> <|user|> <|assistant|> Question: what is 2 + 2? Answer: 4.")
@@ -98,7 +101,7 @@ def make_tokenizer(family: str, vocab_size: int = 1024) -> Any:
         tok.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
         return GPT2Tokenizer(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                              unk_token="<|endoftext|>", add_prefix_space=False)
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
         specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
         qwen_pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), "isolated"),
                                             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -146,13 +149,15 @@ def write_tiny(family: str, folder: str | Path, *, layers: int = 2, hidden: int 
                                     n_head=heads, **ids)
         cls: Any = tf.GPT2LMHeadModel
     else:
-        config_cls, cls = ((tf.LlamaConfig, tf.LlamaForCausalLM) if family == "llama"
-                           else (tf.Qwen2Config, tf.Qwen2ForCausalLM))
+        config_cls, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+                           "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+                           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[family]
+        extra = {"head_dim": QWEN3_HEAD_DIM} if family == "qwen3" else {}
         config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                             max_position_embeddings=max_positions, rms_norm_eps=1e-6,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                            tie_word_embeddings=family == "qwen2", **ids)  # Qwen2.5-0.5B ties them
+                            tie_word_embeddings=family != "llama", **extra, **ids)  # Qwen2.5-0.5B, Qwen3-0.6B tie
     torch.manual_seed(seed)
     model = cls(config)
     with torch.no_grad():  # norm weights and biases start as ones and zeros: jitter them, so none can be dropped

@@ -1,8 +1,8 @@
-"""The Llama family (Llama 2 and 3, SmolLM, TinyLlama, Qwen2 and 2.5) through our own forward pass.
+"""The Llama family (Llama 2 and 3, SmolLM, TinyLlama, Qwen2, 2.5 and 3) through our own forward pass.
 
-What this is: the generator for a Llama or Qwen2 folder (``labserver.models.causal``
-reads the folder; transformers builds ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` and
-this module only reads its weights). A layer differs from GPT-2's in four places, each a
+What this is: the generator for a Llama, Qwen2 or Qwen3 folder (``labserver.models.causal``
+reads the folder; transformers builds ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
+``Qwen3ForCausalLM`` and this module only reads its weights). A layer differs from GPT-2's in four places, each a
 line or two below:
 
 - **RMSNorm** instead of LayerNorm: scale by the root mean square, no mean, no bias;
@@ -18,10 +18,12 @@ line or two below:
 
 Qwen2 is the same layer with biases on the query, key and value projections (the
 ``nn.Linear`` modules carry them) and, for the small ones, the LM head tied to the
-embeddings.
+embeddings. Qwen3 drops the biases and normalises each query and key head (RMSNorm over
+the head, before the rotation: "QK-norm"); its head size is its config's, not
+width / heads.
 
-What this is not: sliding-window attention (Mistral, Qwen2 with ``use_sliding_window``),
-QK-norm (Qwen3) or mixture-of-experts layers; ``labserver.models.causal`` refuses those
+What this is not: sliding-window attention (Mistral, Qwen2 with ``use_sliding_window``)
+or mixture-of-experts layers; ``labserver.models.causal`` refuses those
 folders at startup.
 """
 
@@ -53,7 +55,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LlamaGen(PagedLM):
-    """A GenModel over a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``, run by ``_forward`` over a ``PagedKV``."""
+    """A GenModel over a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``, run by ``_forward``."""
 
     def __init__(self, name: str, hf_model: Any, tokenizer: Any, *, eos_id: int | None, max_context: int,
                  note: str | None = None) -> None:
@@ -62,6 +64,7 @@ class LlamaGen(PagedLM):
         self.heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.qk_norm = hasattr(hf_model.model.layers[0].self_attn, "q_norm")
         super().__init__(name, hf_model, tokenizer, layers=config.num_hidden_layers, kv_heads=kv_heads,
                          head_dim=self.head_dim, max_context=max_context, eos_id=eos_id, note=note)
 
@@ -78,8 +81,10 @@ class LlamaGen(PagedLM):
             t0 = time.perf_counter() if costs else 0.0
             attn = layer.self_attn
             h = _rms_norm(x, layer.input_layernorm)
-            q = _rotate(attn.q_proj(h).view(t, heads, dim), cos, sin)
-            k = _rotate(attn.k_proj(h).view(t, kv_heads, dim), cos, sin)
+            q, k = attn.q_proj(h).view(t, heads, dim), attn.k_proj(h).view(t, kv_heads, dim)
+            if self.qk_norm:  # Qwen3: each head normalised before it is rotated
+                q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = attn.v_proj(h).view(t, kv_heads, dim)
             t1 = time.perf_counter() if costs else 0.0
             attended = self.kv.attend(i, q, k, v, plan).reshape(t, heads * dim)  # query heads share KV heads
