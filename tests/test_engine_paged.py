@@ -192,6 +192,28 @@ def test_a_request_larger_than_the_pool_is_refused_at_the_door() -> None:
     asyncio.run(main())
 
 
+def test_the_pool_is_sized_from_tokens_bytes_or_the_context() -> None:
+    from labserver.cli import build_parser
+    from labserver.cli.args import limits_from
+    from labserver.engine.step import kv_budget_tokens
+    from labserver.models import ModelLoadError
+
+    model = SyntheticGen(0, 0, max_context=512, kv_bytes_per_token=1024)
+    assert kv_budget_tokens(Limits(kv_memory_mb=2), model) == 2048  # 2 MiB / 1 KiB a position
+    assert kv_budget_tokens(Limits(kv_memory_mb=2, max_kv_tokens=1000), model) == 1000  # the smaller
+    assert kv_budget_tokens(Limits(max_kv_tokens=3000), model) == 3000
+    assert kv_budget_tokens(Limits(max_batch_size=8), model) == 8 * 512  # neither: cap x context
+    assert kv_budget_tokens(Limits(max_batch_size=None), SyntheticGen(0, 0, max_context=131_072)) == 64 * 2048
+    with pytest.raises(ModelLoadError, match="less than one block"):
+        kv_budget_tokens(Limits(kv_memory_mb=0.01), model)  # 10 positions
+    with pytest.raises(ModelLoadError, match="max_kv_tokens"):
+        kv_budget_tokens(Limits(kv_memory_mb=2), SyntheticGen(0, 0))  # says nothing of its bytes
+    with pytest.raises(ValueError, match="kv_memory_mb"):
+        Limits(kv_memory_mb=0)
+    args = build_parser().parse_args(["serve", "--strategy", "gen-paged", "--kv-memory-mb", "1.5"])
+    assert limits_from(args).kv_memory_mb == 1.5
+
+
 def test_chunked_prefill_needs_a_rule_that_joins_every_step() -> None:
     with pytest.raises(ValueError, match="chunked"):
         StepEngine(make_strategy("gen-static", Limits(prefill="chunked")), SyntheticGen(0, 0))

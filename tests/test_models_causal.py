@@ -49,7 +49,8 @@ def models(folders: dict[str, Path]) -> dict[str, PagedLM]:
 
 
 def ids_of(model: PagedLM, text: str) -> list[int]:
-    return model.encode(text)
+    """The folder's tokenizer, called as transformers' users call it: the reference encoding."""
+    return model.tokenizer(text)["input_ids"]  # type: ignore[no-any-return]
 
 
 def hf_greedy(model: PagedLM, ids: list[int], n: int) -> list[int]:
@@ -72,6 +73,9 @@ def test_a_folder_loads_as_its_family(family: str, folders: dict[str, Path], mod
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads  # (Qwen3 names its own)
     assert model.kv_bytes_per_token == config.num_hidden_layers * 2 * kv * dim * 4 == kv_bytes_per_token(config)
     assert model.note is not None  # random weights say so in every answer
+    text = "Hello, world! naïve café 123"
+    assert model.encode(text) == ids_of(model, text)  # as the folder's tokenizer encodes it by default
+    assert (model.encode(text)[0] == model.tokenizer.bos_token_id) == (family == "llama")  # only Llama adds a BOS
 
 
 @pytest.mark.parametrize("family", FAMILIES)

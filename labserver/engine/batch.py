@@ -121,11 +121,7 @@ class BatchEngine(EngineBase):
     async def _work(self) -> None:
         while True:
             batch, reason = await self.strategy.collect(self.queue, self.clock)
-            batch, rest = self.strategy.trim(batch)
-            if rest:  # over the token budget: back to the head, in their order, for the next batch
-                for item in reversed(rest):
-                    self.queue.putback(item)
-                reason = "tokens"
+            batch, reason = self.strategy.fit(batch, reason, self.queue)  # over the token budget: the rest waits
             now = self.clock()  # one reading for the expiry check and the dispatch time
             live = self.live(batch, now, "deadline passed while queued")
             if live:

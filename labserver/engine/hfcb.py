@@ -68,7 +68,7 @@ from .genbase import GenCounters, GenEngine
 from .sequence import Seq
 
 if TYPE_CHECKING:
-    from ..models.paged import PagedLM as GPT2Gen
+    from ..models.paged import PagedLM, TransformersOnly
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class _Request:
 class HFManager:
     """Submit token ids, get tokens back through callbacks on the ``hfcb-results`` thread."""
 
-    def __init__(self, gen_model: GPT2Gen, *, max_running: int | None, max_kv_tokens: int | None,
+    def __init__(self, gen_model: PagedLM | TransformersOnly, *, max_running: int | None, max_kv_tokens: int | None,
                  max_batch_tokens: int | None = None) -> None:
         from transformers import ContinuousBatchingConfig
 
@@ -260,7 +260,7 @@ def _check_transformers() -> None:
 class HFEngine(GenEngine):
     """``gen-hf-cb``: queued sequences handed to transformers' manager, as many as the strategy admits."""
 
-    def __init__(self, strategy: GenStrategy, model: GPT2Gen, **kwargs: Any) -> None:
+    def __init__(self, strategy: GenStrategy, model: PagedLM | TransformersOnly, **kwargs: Any) -> None:
         _check_transformers()  # at startup: a manager that cannot be built would fail the worker later
         super().__init__(strategy, model, GenCounters(), **kwargs)
         self.in_flight: list[Seq] = []  # handed over and not yet answered: the running ones

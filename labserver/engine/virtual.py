@@ -249,11 +249,7 @@ def _run(strategy: Strategy, q: VirtualQueue, service_ms: Callable[..., float],
                 items, reason = await strategy.collect(q, q.clock)
             except EndOfArrivals:
                 return run
-            items, rest = strategy.trim(items)  # the engine's token budget
-            if rest:
-                for item in reversed(rest):
-                    q.putback(item)
-                reason = "tokens"
+            items, reason = strategy.fit(items, reason, q)  # the engine's token budget
             start = q.now_s
             items = [i for i in items if i.deadline_s >= start]  # (the line lets none past its deadline through)
             if not items:

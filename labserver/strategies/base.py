@@ -175,6 +175,15 @@ class Strategy:
                 return batch[:n - 1], batch[n - 1:]
         return batch, []
 
+    def fit(self, batch: list[Any], reason: str, queue: Queue) -> Batch:
+        """``trim`` applied: the rest back at the queue's head, in their order, and the reason "tokens" if any was."""
+        batch, rest = self.trim(batch)
+        if not rest:
+            return batch, reason
+        for item in reversed(rest):
+            queue.putback(item)
+        return batch, "tokens"
+
     def observe(self, size: int, compute_ms: float) -> None:
         """Called after every batch with its size and model time; a rule that learns costs uses it."""
 
