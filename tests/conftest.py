@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -14,3 +15,14 @@ def gate() -> Iterator[GateModel]:
     m = GateModel()
     yield m
     m.gate.set()  # never leave a thread blocked behind a failed test
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny random folder of each family (labserver.models.folders), and Llama's multi-head twin."""
+    from labserver.models.folders import FAMILIES, write_tiny
+
+    root = tmp_path_factory.mktemp("tiny")
+    made = {family: write_tiny(family, root / family) for family in FAMILIES}
+    made["llama-mha"] = write_tiny("llama", root / "llama-mha", kv_heads=8)  # the multi-head twin
+    return made

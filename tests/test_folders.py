@@ -20,14 +20,6 @@ ODD = "Ünïcödé ✓ 漢字 🙂 tabs\tand\nnewlines <unk> <|im_start|>"  # by
 CONFIGS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
-    made = {family: write_tiny(family, root / family) for family in FAMILIES}
-    made["llama-mha"] = write_tiny("llama", root / "llama-mha", kv_heads=8)  # the multi-head twin
-    return made
-
-
 def load(folder: Path) -> tuple[Any, Any]:
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)

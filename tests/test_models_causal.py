@@ -25,22 +25,12 @@ import labserver
 from labserver import wire
 from labserver.engine import StepEngine, make_engine
 from labserver.models import ModelLoadError, kind_of, load_model, minilm_dir
-from labserver.models.folders import kv_bytes_per_token, write_tiny
+from labserver.models.folders import FAMILIES, kv_bytes_per_token
 from labserver.models.paged import PagedLM, TransformersOnly
 from labserver.strategies import Limits, make_strategy
 
 from .test_engine_paged import prompts, serve
 from .test_models_gpt2 import Tracker
-
-FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("folders")
-    made = {family: write_tiny(family, root / family) for family in FAMILIES}
-    made["llama-mha"] = write_tiny("llama", root / "llama-mha", kv_heads=8)  # the multi-head twin
-    return made
 
 
 @pytest.fixture(scope="module")

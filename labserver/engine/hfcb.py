@@ -101,7 +101,8 @@ class HFManager:
         if max_kv_tokens is not None and max_kv_tokens < PAGE_TOKENS:
             raise ValueError(f"max_kv_tokens must be at least one page ({PAGE_TOKENS} tokens), got {max_kv_tokens}")
         self.hf_model = gen_model.hf_model
-        self.eos_id = gen_model.eos_id
+        eos_ids = list(getattr(gen_model, "eos_ids", ()))
+        self.eos_id: int | list[int] | None = eos_ids if len(eos_ids) > 1 else gen_model.eos_id  # (every one)
         self.max_context = gen_model.max_context
         kv_tokens = max_kv_tokens if max_kv_tokens is not None else (max_running or _DEFAULT_SEQS) * self.max_context
         batch_tokens = max_batch_tokens or max(self.max_context, max_running or 0)
