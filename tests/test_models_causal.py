@@ -135,7 +135,7 @@ def test_gen_hf_cb_serves_a_folder_through_transformers_manager(folders: dict[st
                                                                models: dict[str, PagedLM]) -> None:
     model = models["llama"]
     want = hf_greedy(model, ids_of(model, "hello there"), 8)
-    with labserver.serve("gen-hf-cb", str(folders["llama"]), device="cpu") as h:
+    with labserver.serve("gen-hf-cb", str(folders["llama"]), device="cpu", kv_memory_mb=1) as h:
         answer = served(h.url, wire.GENERATE_PATH, {"prompt": "hello there", "max_new_tokens": 8, "ignore_eos": True})
     assert answer["tokens"] == want
 
@@ -229,6 +229,7 @@ def test_other_architectures_are_refused_by_name_before_loading(folders: dict[st
         labserver.serve("gen-paged", str(folder), device="cpu")  # the server does not start
     only = load_model(str(folder), device="cpu", kind="generate", paged=False)  # what gen-hf-cb gets
     assert isinstance(only, TransformersOnly) and only.encode("hello")
+    assert only.kv_bytes_per_token == 1 * 2 * 2 * 16 * 4  # from its config: what transformers' cache would hold
     with pytest.raises(ModelLoadError, match="gen-hf-cb"):
         make_engine(make_strategy("gen-continuous", Limits()), only)
     with pytest.raises(ModelLoadError, match="not a generative model"):

@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..models import InputRejected, ModelError, ModelLoadError, Sampling, on_fresh_thread
 from ..strategies import GenStrategy
-from .genbase import GenCounters, GenEngine
+from .genbase import GenCounters, GenEngine, kv_budget_tokens
 from .sequence import Seq
 
 if TYPE_CHECKING:
@@ -264,6 +264,7 @@ class HFEngine(GenEngine):
     def __init__(self, strategy: GenStrategy, model: PagedLM | TransformersOnly, **kwargs: Any) -> None:
         _check_transformers()  # at startup: a manager that cannot be built would fail the worker later
         super().__init__(strategy, model, GenCounters(), **kwargs)
+        self._kv_tokens = kv_budget_tokens(self.limits, model)  # (ModelLoadError at startup: kv_memory_mb unknowable)
         self.in_flight: list[Seq] = []  # handed over and not yet answered: the running ones
         self._room = asyncio.Event()  # set whenever one leaves
 
@@ -283,7 +284,8 @@ class HFEngine(GenEngine):
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()
-        manager = HFManager(self.model, max_running=self.limits.max_batch_size, max_kv_tokens=self.limits.max_kv_tokens)
+        manager = HFManager(self.model, max_running=self.limits.max_batch_size,
+                            max_kv_tokens=self._kv_tokens)  # (the step engine's budget: tokens, bytes or context)
         # warm-up takes seconds, off the loop; on a thread that ends, so the manager's generation thread
         # is the only one left with an OpenMP team (models.on_fresh_thread says why that matters)
         await asyncio.to_thread(on_fresh_thread, manager.start)

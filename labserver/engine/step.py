@@ -35,35 +35,14 @@ from ..models import GenModel, InputRejected, ModelLoadError, Sampling
 from ..strategies import GenStrategy
 from .blocks import BlockManager
 from .counters import Metric, gauge
-from .genbase import GenEngine
+from .genbase import GenEngine, kv_budget_tokens
 from .runner import run_isolating
 from .scheduler import Plan, Running, Scheduler, StepCounters, StepRecord
 from .sequence import Seq
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Running", "Seq", "StepCounters", "StepEngine", "StepRecord"]
-
-DEFAULT_SEQS, DEFAULT_CONTEXT = 64, 2048  # no budget given: this many sequences of this much context, at most
-
-
-def kv_budget_tokens(limits: Any, model: GenModel) -> int:
-    """Positions the KV pool holds: ``max_kv_tokens``, or what ``kv_memory_mb`` holds at the model's bytes per
-    position (the smaller, given both); neither: ``max_batch_size`` (at most 64) x the context (at most 2,048)."""
-    budgets = [limits.max_kv_tokens] if limits.max_kv_tokens else []
-    if limits.kv_memory_mb is not None:
-        per = getattr(model, "kv_bytes_per_token", 0)
-        if not per:
-            raise ModelLoadError(f"kv_memory_mb needs a model that says its KV bytes per position; {model.name} "
-                                 "does not: give max_kv_tokens")
-        budgets.append(int(limits.kv_memory_mb * 2**20) // per)
-        if budgets[-1] < limits.kv_block_tokens:
-            raise ModelLoadError(f"kv_memory_mb={limits.kv_memory_mb:g} holds {budgets[-1]} positions of {per:,} "
-                                 f"bytes ({model.name}): less than one block of {limits.kv_block_tokens}")
-    if budgets:
-        return min(budgets)
-    return int(min(limits.cap, DEFAULT_SEQS) * min(model.max_context, DEFAULT_CONTEXT))
-
+__all__ = ["Running", "Seq", "StepCounters", "StepEngine", "StepRecord", "kv_budget_tokens"]
 
 class StepEngine(GenEngine):
     """One generation strategy, one generative model, the queue, the scheduler, and the loop over calls."""

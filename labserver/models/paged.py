@@ -232,6 +232,12 @@ class TransformersOnly(TokenizerText):
         self.eos_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)
         super().__init__(tokenizer)
         self.hf_model = hf_model
+        from .folders import kv_bytes_per_token  # (what transformers' cache will hold a position in, from the config)
+
+        try:
+            self.kv_bytes_per_token = kv_bytes_per_token(hf_model.config, next(hf_model.parameters()).element_size())
+        except (TypeError, ValueError, KeyError, ZeroDivisionError):  # a config in names it does not know
+            self.kv_bytes_per_token = 0
 
     def allocate_kv(self, blocks: int, block_tokens: int) -> None:
         raise ModelError(self.why)
