@@ -29,8 +29,10 @@ What maps (``ContinuousBatchingConfig``):
   later passes, so the caller should also hold back work (``gen-hf-cb`` does).
 - ``max_kv_tokens`` -> ``num_blocks = ceil(max_kv_tokens / page_size)``, with
   ``page_size = PAGE_TOKENS``: the cache holds a multiple of the page size, rounded up.
-  Left as None, transformers would take 60% of free RAM on a CPU (90% of a GPU's), so we
-  size it for ``max_running`` (or 32) sequences of full context instead. While under 15% of
+  Left as None, transformers would take 60% of free RAM on a CPU (90% of a GPU's), so
+  ``HFEngine`` sizes it as the step engine sizes its pool (``genbase.kv_budget_tokens``:
+  ``max_kv_tokens``, or what ``kv_memory_mb`` holds, else ``max_running`` sequences of the
+  context, both bounded). While under 15% of
   blocks are free (its ``safety_margin``) it starts at most one new prompt per step, and
   when the cache is full it re-queues a request with its tokens so far as a new prompt
   (CPU offload is off). One request larger than the whole cache would end its generation
