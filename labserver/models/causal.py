@@ -105,9 +105,11 @@ def load_folder(spec: str, *, device: str = "auto", dtype: str = "auto", paged: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = pick_device(device)
+    folder = Path(spec).expanduser()
+    source = str(folder) if folder.is_dir() else spec  # a folder ("~/models/x" too), else the cached hub id
     try:
-        tokenizer = AutoTokenizer.from_pretrained(spec, local_files_only=True)
-        hf_model = AutoModelForCausalLM.from_pretrained(spec, local_files_only=True, dtype=pick_dtype(dtype, dev))
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        hf_model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, dtype=pick_dtype(dtype, dev))
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot load {spec!r}: {e}") from e
     hf_model = hf_model.to(dev).eval()
