@@ -176,3 +176,16 @@ def test_padperf_smoke_measures_both_rules_and_their_padding(tmp_path: Path) -> 
     assert r["naive@sat"]["waste"] == 0 and r["thread@same"]["waste"] == 0
     assert numbers["rows"][0]["target"] == "1 token-aware/item-count items/s"
     assert all(row["target"] in run.stdout for row in numbers["rows"])
+
+
+def test_foldercheck_compares_every_family_with_transformers(tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    script = [sys.executable, str(ROOT / "benchmarks" / "foldercheck.py"), "--tokens", "6", "--out", str(out)]
+    run = subprocess.run(script, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["family"] for r in rows] == ["gpt2", "llama", "qwen2", "qwen3"]
+    assert all(r["result"] == "PASS" and r["greedy_tokens_equal"] == 6 and r["result"] in run.stdout for r in rows)
+    strict = subprocess.run([*script, "--atol", "0"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            check=False)
+    assert strict.returncode == 1 and "FAIL" in strict.stdout  # a difference it cannot tolerate fails the row
