@@ -184,7 +184,7 @@ def test_foldercheck_compares_every_family_with_transformers(tmp_path: Path) -> 
     run = subprocess.run(script, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["family"] for r in rows] == ["gpt2", "llama", "qwen2", "qwen3"]
+    assert [r["family"] for r in rows] == ["gpt2", "llama", "qwen2", "qwen3", "mistral"]
     assert all(r["result"] == "PASS" and r["greedy_tokens_equal"] == 6 and r["result"] in run.stdout for r in rows)
     strict = subprocess.run([*script, "--atol", "0"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                             check=False)

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.torch
 
 TEXT = "Hello, world! naïve café 123"
 ODD = "Ünïcödé ✓ 漢字 🙂 tabs\tand\nnewlines <unk> <|im_start|>"  # bytes the toy vocabularies never saw
-CONFIGS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+CONFIGS = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+           "mistral": "MistralConfig"}
 
 
 def load(folder: Path) -> tuple[Any, Any]:
@@ -76,7 +77,8 @@ def test_tokenizer_reloads_as_written(folders: dict[str, Path], family: str) -> 
     """transformers 5 rebuilds a model-specific tokenizer class's pipeline from vocab and merges: ours must match it."""
     built = make_tokenizer(family)
     _, loaded = load(folders[family])
-    assert type(loaded).__name__ == type(built).__name__
+    # (for model_type mistral transformers 5 loads its generic TokenizersBackend from tokenizer.json, as a whole)
+    assert type(loaded).__name__ == ("TokenizersBackend" if family == "mistral" else type(built).__name__)
     for text in (TEXT, ODD, " leading space", "two  spaces\n\nand lines", "cafe\u0301"):  # (Qwen2's NFC)
         assert loaded.encode(text) == built.encode(text)
 
@@ -162,7 +164,8 @@ def test_half_precision_folder(tmp_path: Path) -> None:
     ("llama", {"kv_heads": 3}, "must divide heads"),
     ("qwen2", {"heads": 6}, "must divide hidden"),
     ("gpt2", {"kv_heads": 2}, "no grouped-query attention"),
-    ("mistral", {}, "gpt2, llama, qwen2, qwen3"),
+    ("falcon", {}, "gpt2, llama, qwen2, qwen3, mistral"),
+    ("llama", {"sliding_window": 64}, "for the mistral family"),
 ])
 def test_bad_shapes_are_refused(tmp_path: Path, family: str, kwargs: dict, says: str) -> None:
     with pytest.raises(ValueError, match=says):

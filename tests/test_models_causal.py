@@ -24,7 +24,7 @@ import torch
 import labserver
 from labserver import wire
 from labserver.engine import StepEngine, make_engine
-from labserver.models import ModelLoadError, kind_of, load_model, minilm_dir
+from labserver.models import InputRejected, ModelLoadError, kind_of, load_model, minilm_dir
 from labserver.models.folders import FAMILIES, kv_bytes_per_token
 from labserver.models.paged import PagedLM, TransformersOnly
 from labserver.strategies import Limits, make_strategy
@@ -65,7 +65,8 @@ def test_a_folder_loads_as_its_family(family: str, folders: dict[str, Path], mod
     assert model.note is not None  # random weights say so in every answer
     text = "Hello, world! naïve café 123"
     assert model.encode(text) == ids_of(model, text)  # as the folder's tokenizer encodes it by default
-    assert (model.encode(text)[0] == model.tokenizer.bos_token_id) == (family == "llama")  # only Llama adds a BOS
+    adds_bos = family in ("llama", "mistral")  # (their SentencePiece-style tokenizers add <s>; the others nothing)
+    assert (model.encode(text)[0] == model.tokenizer.bos_token_id) == adds_bos
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -140,7 +141,7 @@ def test_gen_hf_cb_serves_a_folder_through_transformers_manager(folders: dict[st
     assert answer["tokens"] == want
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_chat_goes_through_the_folders_template_with_one_bos(family: str, folders: dict[str, Path],
                                                             models: dict[str, PagedLM]) -> None:
     model = models[family]
@@ -154,7 +155,7 @@ def test_chat_goes_through_the_folders_template_with_one_bos(family: str, folder
     assert model.encode(model.tokenizer.apply_chat_template(messages, tokenize=False,
                                                             add_generation_prompt=True)) == list(want)
     bos = model.tokenizer.bos_token_id
-    if family == "llama":  # the template writes <s>; the encoding adds no second one
+    if family in ("llama", "mistral"):  # the template writes <s>; the encoding adds no second one
         assert model.encode("hi")[0] == bos and list(want)[:2].count(bos) == 1
 
 
@@ -234,6 +235,20 @@ def test_other_architectures_are_refused_by_name_before_loading(folders: dict[st
         make_engine(make_strategy("gen-continuous", Limits()), only)
     with pytest.raises(ModelLoadError, match="not a generative model"):
         load_model(str(minilm_dir()), kind="generate")  # an encoder folder
+
+
+def test_a_sliding_window_is_served_as_a_context_it_cannot_hide_anything_in(tmp_path: Path) -> None:
+    from labserver.models.folders import write_tiny
+
+    model = load_model(str(write_tiny("mistral", tmp_path / "windowed", sliding_window=24)), device="cpu")
+    assert model.max_context == 24 and model.hf_model.config.sliding_window == 24
+    t = Tracker(model)  # transformers applies its window; up to 24 positions it hides nothing
+    t.add(1, ids_of(model, "one two three four five six seven eight nine ten")[:12])
+    t.run([(1, None)])
+    for _ in range(10):
+        t.decode([1])  # positions up to 22: logits equal transformers' (the Tracker checks each)
+    with pytest.raises(InputRejected, match="24"):
+        model.encode("word " * 40)  # longer than the window: refused, never silently wrong
 
 
 def test_a_hub_id_serves_only_from_the_local_cache(tmp_path: Path) -> None:

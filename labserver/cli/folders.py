@@ -14,7 +14,7 @@ __all__ = ["add_tiny_model", "cmd_tiny_model"]
 def add_tiny_model(sub: argparse._SubParsersAction) -> None:
     from ..models.folders import DTYPE_BYTES, FAMILIES
 
-    p = sub.add_parser("tiny-model", help="write a tiny random-weight model folder (gpt2, llama, qwen2, qwen3), offline")
+    p = sub.add_parser("tiny-model", help="write a tiny random-weight model folder (gpt2, llama, qwen2, qwen3, mistral), offline")
     p.add_argument("family", choices=FAMILIES)
     p.add_argument("folder")
     p.add_argument("--layers", type=int, default=2, help="(default: %(default)s)")

@@ -167,7 +167,7 @@ def _is_causal_folder(spec: str) -> bool:
 
 
 # a folder (or cached hub id) of a causal LM: asked first, since a folder on disk is the most specific name
-_FOLDER = ModelSpec("a causal LM folder (gpt2, llama, qwen2, qwen3)", "generate", _is_causal_folder, _folder)
+_FOLDER = ModelSpec("a causal LM folder (gpt2, llama, qwen2, qwen3, mistral)", "generate", _is_causal_folder, _folder)
 MODELS.insert(0, _FOLDER)
 
 

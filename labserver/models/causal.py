@@ -11,11 +11,15 @@ GPT-2      ``gpt2``: GPT-2, DistilGPT-2                          ``gpt2.GPT2Gen`
 Llama      ``llama``: Llama 2 and 3, SmolLM, TinyLlama           ``llama.LlamaGen``
 Qwen2      ``qwen2``: Qwen2, Qwen2.5                             ``llama.LlamaGen``
 Qwen3      ``qwen3``: Qwen3 (dense)                              ``llama.LlamaGen``
+Mistral    ``mistral``: Mistral 7B, Ministral                    ``llama.LlamaGen``
 =========  ====================================================  =========================
 
-Any other causal LM (or one of these with a feature the forward passes lack, such as
-sliding-window attention) is refused before its weights load, with the architecture
-named and what runs instead: ``gen-hf-cb``, transformers' own manager, serves it where
+Sliding-window attention (Mistral 7B v0.1, Qwen2 with ``use_sliding_window``) lets a token
+see only the last ``sliding_window`` positions. The paged pool has no window, so such a
+folder is served with its context cut to the window: no sequence is ever longer than it,
+and within it a window hides nothing (the logits are transformers', tested). Any other
+causal LM (or one of these with a feature the forward passes lack) is refused before its
+weights load, with the architecture named and what runs instead: ``gen-hf-cb``, transformers' own manager, serves it where
 transformers can (``load_folder(..., paged=False)``).
 
 The folder's own tokenizer encodes prompts (as it does by default, its BOS included),
@@ -36,12 +40,11 @@ from .base import MEANINGLESS, ModelLoadError, pick_device, pick_dtype
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CONTEXT_CAP", "PAGED_FAMILIES", "causal_config", "load_folder", "refusal"]
+__all__ = ["PAGED_FAMILIES", "causal_config", "load_folder", "refusal", "window"]
 
 PAGED_FAMILIES = {"gpt2": "GPT-2", "llama": "Llama (Llama 2/3, SmolLM, TinyLlama)", "qwen2": "Qwen2 (Qwen2, Qwen2.5)",
-                  "qwen3": "Qwen3 (dense)"}
+                  "qwen3": "Qwen3 (dense)", "mistral": "Mistral"}
 SUPPORTED = "; ".join(f"{k}: {v}" for k, v in PAGED_FAMILIES.items())
-DEFAULT_CONTEXT_CAP = 2048  # positions a default KV budget gives each sequence (a 128k context would be terabytes)
 RANDOM_KEY = "labserver_random_weights"  # set in config.json by folders.write_tiny: answers say so
 
 
@@ -82,9 +85,16 @@ def refusal(config: dict[str, Any]) -> str | None:
         return f"its architecture is {name} (model_type {kind!r})"
     if kind == "gpt2" and config.get("scale_attn_by_inverse_layer_idx"):
         return "it scales attention by the inverse layer index (scale_attn_by_inverse_layer_idx)"
-    if config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or []):
-        return f"this {name} uses sliding-window attention"
     return None
+
+
+def window(config: dict[str, Any]) -> int | None:
+    """The sliding window some of its layers attend within (None: every layer sees every position)."""
+    size = config.get("sliding_window")
+    if config.get("model_type") == "mistral":
+        return int(size) if size else None
+    sliding = config.get("use_sliding_window") or "sliding_attention" in (config.get("layer_types") or [])
+    return int(size) if sliding and size else None
 
 
 def load_folder(spec: str, *, device: str = "auto", dtype: str = "auto", paged: bool = True) -> Any:
@@ -115,6 +125,10 @@ def load_folder(spec: str, *, device: str = "auto", dtype: str = "auto", paged: 
     hf_model = hf_model.to(dev).eval()
     eos = _eos_ids(hf_model, tokenizer)
     context = config.get("n_positions") or config.get("max_position_embeddings") or 2048
+    if window(config) and window(config) < context:  # (a window as long as the context hides nothing)
+        logger.warning("%s attends within a sliding window of %d positions: served with its context cut from %d "
+                       "to %d, where the window hides nothing", spec, window(config), context, window(config))
+        context = window(config)
     note = MEANINGLESS if config.get(RANDOM_KEY) else None
     if note:
         logger.warning("%s: %s", spec, note)

@@ -2,7 +2,7 @@
 
 What this is: ``write_tiny(family, folder)`` writes a folder that plain transformers loads
 (``AutoModelForCausalLM.from_pretrained(folder)``, ``AutoTokenizer.from_pretrained(folder)``)
-for GPT-2, Llama, Qwen2 or Qwen3: config.json, generation_config.json, model.safetensors and a
+for GPT-2, Llama, Qwen2, Qwen3 or Mistral: config.json, generation_config.json, model.safetensors and a
 real BPE tokenizer. The weights are transformers' own initialisation after
 ``torch.manual_seed(seed)`` (same arguments, same bytes), except that the norm weights and
 biases it starts at ones and zeros get a little noise: a forward pass that forgets one of
@@ -13,8 +13,8 @@ vocabulary and merges, so it encodes the same before and after ``from_pretrained
 Each tokenizer has its family's shape: GPT-2's byte-level BPE with ``<|endoftext|>`` and no
 BOS; Llama's SentencePiece-style BPE (``▁`` for spaces, byte fallback through 256
 ``<0xNN>`` tokens, ``<unk> <s> </s>`` first, ``<s>`` added on encode); Qwen2's byte-level
-BPE with ChatML's ``<|im_start|> <|im_end|>`` (Qwen3 shares it). Llama, Qwen2 and Qwen3
-default to grouped-query attention (8 query heads sharing 2 KV heads); ``kv_heads=heads``
+BPE with ChatML's ``<|im_start|> <|im_end|>`` (Qwen3 shares it; Mistral shares Llama's).
+All but GPT-2 default to grouped-query attention (8 query heads sharing 2 KV heads); ``kv_heads=heads``
 gives the multi-head twin. Qwen3's heads are 16 wide whatever ``hidden`` is (its config
 names ``head_dim``, as Qwen3's own do), and it normalises each query and key head.
 ``kv_bytes_per_token(config)`` is what one token's keys and values cost a KV cache.
@@ -36,7 +36,7 @@ from .causal import RANDOM_KEY
 
 __all__ = ["FAMILIES", "kv_bytes_per_token", "make_tokenizer", "parameter_count", "write_tiny"]
 
-FAMILIES = ("gpt2", "llama", "qwen2", "qwen3")
+FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 QWEN3_HEAD_DIM = 16  # Qwen3 names its head size (128 for 0.6B's 1,024 wide, 16 heads: not hidden / heads)
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 SENTENCES = ("The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
@@ -79,7 +79,7 @@ def make_tokenizer(family: str, vocab_size: int = 1024) -> Any:
     from transformers import GPT2Tokenizer, LlamaTokenizer, Qwen2Tokenizer  # (in transformers 5 the ...Fast ones)
 
     words = _corpus()
-    if family == "llama":  # (as LlamaTokenizer builds it: Metaspace without splitting, byte fallback)
+    if family in ("llama", "mistral"):  # (as LlamaTokenizer builds it: Metaspace without splitting, byte fallback)
         pieces = [f"<0x{b:02X}>" for b in range(256)]
         vocab, merges = _train(pre_tokenizers.Metaspace("▁", prepend_scheme="first"), words, vocab_size,
                                ["<unk>", "<s>", "</s>", *pieces], [])  # ids 0, 1, 2, then <0x00>.. at 3..258
@@ -117,17 +117,20 @@ def make_tokenizer(family: str, vocab_size: int = 1024) -> Any:
 
 def write_tiny(family: str, folder: str | Path, *, layers: int = 2, hidden: int = 64, heads: int = 8,
                kv_heads: int | None = None, vocab_size: int = 1024, max_positions: int = 512, seed: int = 0,
-               dtype: str = "float32") -> Path:
+               dtype: str = "float32", sliding_window: int | None = None) -> Path:
     """Write a tiny random ``family`` model with its tokenizer to ``folder`` (created); return the folder.
 
     The tokenizer is trained to ``vocab_size`` ids, its special tokens included; the model's
     vocabulary is that, or the tokenizer's whole length where the vocabulary cannot be that
     small (Llama's 259 specials and bytes). The weights are made in float32 and saved as ``dtype``.
+    ``sliding_window`` (Mistral only) writes a window into the config.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}: use one of {', '.join(FAMILIES)}")
     if kv_heads is None:
         kv_heads = heads if family == "gpt2" else 2
+    if sliding_window is not None and family != "mistral":
+        raise ValueError("sliding_window is for the mistral family here")
     if family == "gpt2" and kv_heads != heads:
         raise ValueError(f"GPT-2 has no grouped-query attention: kv_heads must equal heads ({heads}), got {kv_heads}")
     if min(layers, hidden, heads, kv_heads, vocab_size, max_positions) < 1:
@@ -151,13 +154,16 @@ def write_tiny(family: str, folder: str | Path, *, layers: int = 2, hidden: int 
     else:
         config_cls, cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
                            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-                           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[family]
-        extra = {"head_dim": QWEN3_HEAD_DIM} if family == "qwen3" else {}
+                           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+                           "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[family]
+        extra: dict[str, Any] = {"head_dim": QWEN3_HEAD_DIM} if family == "qwen3" else {}
+        if family == "mistral":  # no window (Mistral 7B v0.2 on); v0.1's was 4,096 positions
+            extra = {"sliding_window": sliding_window, "head_dim": hidden // heads}
         config = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                             max_position_embeddings=max_positions, rms_norm_eps=1e-6,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                            tie_word_embeddings=family != "llama", **extra, **ids)  # Qwen2.5-0.5B, Qwen3-0.6B tie
+                            tie_word_embeddings=family in ("qwen2", "qwen3"), **extra, **ids)  # Qwen2.5-0.5B, Qwen3-0.6B tie
     torch.manual_seed(seed)
     model = cls(config)
     with torch.no_grad():  # norm weights and biases start as ones and zeros: jitter them, so none can be dropped

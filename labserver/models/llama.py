@@ -1,8 +1,9 @@
-"""The Llama family (Llama 2 and 3, SmolLM, TinyLlama, Qwen2, 2.5 and 3) through our own forward pass.
+"""The Llama family (Llama 2 and 3, SmolLM, TinyLlama, Qwen2, 2.5 and 3, Mistral) through our own forward pass.
 
-What this is: the generator for a Llama, Qwen2 or Qwen3 folder (``labserver.models.causal``
-reads the folder; transformers builds ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or
-``Qwen3ForCausalLM`` and this module only reads its weights). A layer differs from GPT-2's in four places, each a
+What this is: the generator for a Llama, Qwen2, Qwen3 or Mistral folder
+(``labserver.models.causal`` reads the folder; transformers builds ``LlamaForCausalLM``,
+``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` or ``MistralForCausalLM`` and this module only
+reads its weights; Mistral's layer is Llama's). A layer differs from GPT-2's in four places, each a
 line or two below:
 
 - **RMSNorm** instead of LayerNorm: scale by the root mean square, no mean, no bias;
@@ -22,9 +23,9 @@ embeddings. Qwen3 drops the biases and normalises each query and key head (RMSNo
 the head, before the rotation: "QK-norm"); its head size is its config's, not
 width / heads.
 
-What this is not: sliding-window attention (Mistral, Qwen2 with ``use_sliding_window``)
-or mixture-of-experts layers; ``labserver.models.causal`` refuses those
-folders at startup.
+What this is not: sliding-window attention (``labserver.models.causal`` serves such a
+folder with its context cut to the window, where the window hides nothing) or
+mixture-of-experts layers (refused at startup).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LlamaGen(PagedLM):
-    """A GenModel over a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM``, run by ``_forward``."""
+    """A GenModel over a Llama-shaped ``...ForCausalLM`` (Llama, Qwen2, Qwen3, Mistral), run by ``_forward``."""
 
     def __init__(self, name: str, hf_model: Any, tokenizer: Any, *, eos_id: int | None, max_context: int,
                  note: str | None = None) -> None:
