@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from .base import MEANINGLESS, ModelLoadError, pick_device, pick_dtype
+from .configs import RANDOM_KEY  # (set in config.json by folders.write_tiny: answers say so)
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,6 @@ __all__ = ["PAGED_FAMILIES", "causal_config", "load_folder", "refusal", "window"
 PAGED_FAMILIES = {"gpt2": "GPT-2", "llama": "Llama (Llama 2/3, SmolLM, TinyLlama)", "qwen2": "Qwen2 (Qwen2, Qwen2.5)",
                   "qwen3": "Qwen3 (dense)", "mistral": "Mistral"}
 SUPPORTED = "; ".join(f"{k}: {v}" for k, v in PAGED_FAMILIES.items())
-RANDOM_KEY = "labserver_random_weights"  # set in config.json by folders.write_tiny: answers say so
 
 
 def _config_path(spec: str) -> Path | None:

@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from .base import minilm_dir
-from .causal import RANDOM_KEY
+from .configs import DTYPE_BYTES, RANDOM_KEY, kv_bytes_per_token
 
 __all__ = ["FAMILIES", "kv_bytes_per_token", "make_tokenizer", "parameter_count", "write_tiny"]
 
 FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 QWEN3_HEAD_DIM = 16  # Qwen3 names its head size (128 for 0.6B's 1,024 wide, 16 heads: not hidden / heads)
-DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 SENTENCES = ("The quick brown fox jumps over the lazy dog.", "Hello, world! How are you today?",
              "<|system|> <|user|> <|assistant|> Question: what is 2 + 2? Answer: 4.")
 # TinyLlama-chat's turns after Llama-2's <s>: encode the rendered text with add_special_tokens=False
@@ -187,27 +186,3 @@ def parameter_count(folder: str | Path) -> int:
 
     with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (not iterable)
-
-
-def kv_bytes_per_token(config: Any, dtype_bytes: int | None = None) -> int:
-    """Bytes of keys and values one token holds in a KV cache: layers x 2 x KV heads x head size x dtype bytes.
-
-    ``config`` is a transformers config or a config.json dict, in GPT-2's names (n_layer, n_head,
-    n_embd) or Llama's and Qwen2's (num_hidden_layers, num_key_value_heads, head_dim...). The
-    dtype is the config's (float32 when it names none) unless ``dtype_bytes`` says otherwise.
-    """
-    d = config if isinstance(config, dict) else config.to_dict()
-
-    def first(*names: str) -> Any:
-        return next((d[n] for n in names if d.get(n) is not None), None)
-
-    layers, heads = first("num_hidden_layers", "n_layer"), first("num_attention_heads", "n_head")
-    hidden = first("hidden_size", "n_embd")
-    kv_heads = first("num_key_value_heads") or heads
-    head_dim = first("head_dim") or hidden // heads
-    if dtype_bytes is None:
-        name = str(first("dtype", "torch_dtype") or "float32").removeprefix("torch.")
-        if name not in DTYPE_BYTES:
-            raise ValueError(f"unknown dtype {name!r} in the config: pass dtype_bytes")
-        dtype_bytes = DTYPE_BYTES[name]
-    return int(layers * 2 * kv_heads * head_dim * dtype_bytes)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .base import Chunk, InputRejected, ModelError
+from .configs import kv_bytes_per_token
 from .kvcache import CallPlan, PagedKV
 from .sampling import choose
 
@@ -232,8 +233,6 @@ class TransformersOnly(TokenizerText):
         self.eos_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)
         super().__init__(tokenizer)
         self.hf_model = hf_model
-        from .folders import kv_bytes_per_token  # (what transformers' cache will hold a position in, from the config)
-
         try:
             self.kv_bytes_per_token = kv_bytes_per_token(hf_model.config, next(hf_model.parameters()).element_size())
         except (TypeError, ValueError, KeyError, ZeroDivisionError):  # a config in names it does not know
