@@ -233,6 +233,8 @@ def test_other_architectures_are_refused_by_name_before_loading(folders: dict[st
     assert only.kv_bytes_per_token == 1 * 2 * 2 * 16 * 4  # from its config: what transformers' cache would hold
     with pytest.raises(ModelLoadError, match="gen-hf-cb"):
         make_engine(make_strategy("gen-continuous", Limits()), only)
+    with pytest.raises(ModelLoadError, match="transformers' continuous batching manager cannot run"):
+        labserver.serve("gen-hf-cb", str(folder), device="cpu")  # it loads, but the manager fails its probe
     with pytest.raises(ModelLoadError, match="not a generative model"):
         load_model(str(minilm_dir()), kind="generate")  # an encoder folder
 

@@ -210,6 +210,9 @@ class EngineBase:
     async def _work(self) -> None:
         raise NotImplementedError
 
+    async def ready(self) -> None:
+        """Return once the engine can serve, after ``start`` (here at once); raise ModelLoadError if it never will."""
+
     def _skipped(self) -> None:
         self.counters.skipped_client_gone += 1
 

@@ -48,6 +48,11 @@ Memory: as for labserver's own paged pool (``labserver.models.kvcache``), the wh
 ``start()``: for gpt2-random, 72 KiB a token, so 32 sequences of 1,024 tokens are 2.3 GB
 and about 6 s on a 2-core CPU.
 
+Startup: once the manager runs, one token of a one-token prompt goes through it (a probe)
+before the server says it is ready. An architecture transformers loads but its manager
+cannot page (GPT-NeoX in transformers 5.24) fails there, so the server does not start,
+instead of answering every request with a 500.
+
 Decoding is greedy (``do_sample=False``). ``ignore_eos`` passes ``eos_token_id=-1`` for that
 request (the manager keeps only non-negative EOS ids). Works on CPU with SDPA attention
 (no flash attention, CUDA graphs, async batching or decode fast path there, which the
@@ -80,6 +85,7 @@ PAGE_TOKENS = 32  # KV-cache page size, tokens (transformers' default is 256: co
 _DEFAULT_SEQS = 32  # sequences of full context the cache holds when neither cap is given
 _POLL_S = 0.05  # the reader's wait for an output before it checks whether to stop, s
 _STOP_TIMEOUT_S = 30.0  # longest wait for the generation thread to end, s
+_PROBE_TIMEOUT_S = 120.0  # longest wait for the startup probe's one token, s
 
 
 @dataclass
@@ -269,6 +275,8 @@ class HFEngine(GenEngine):
         self._kv_tokens = kv_budget_tokens(self.limits, model)  # (ModelLoadError at startup: kv_memory_mb unknowable)
         self.in_flight: list[Seq] = []  # handed over and not yet answered: the running ones
         self._room = asyncio.Event()  # set whenever one leaves
+        self._started = asyncio.Event()  # set once the manager has made its probe's token, or failed to
+        self._start_error: ModelLoadError | None = None
 
     @property
     def running(self) -> list[Seq]:
@@ -290,7 +298,16 @@ class HFEngine(GenEngine):
                             max_kv_tokens=self._kv_tokens)  # (the step engine's budget: tokens, bytes or context)
         # warm-up takes seconds, off the loop; on a thread that ends, so the manager's generation thread
         # is the only one left with an OpenMP team (models.on_fresh_thread says why that matters)
-        await asyncio.to_thread(on_fresh_thread, manager.start)
+        try:
+            await asyncio.to_thread(on_fresh_thread, manager.start)
+            await self._probe(manager, loop)
+        except Exception as e:  # at startup: the server does not start (Runtime awaits ready())
+            self._start_error = e if isinstance(e, ModelLoadError) else ModelLoadError(
+                f"transformers' continuous batching manager cannot run {self.model.name}: {type(e).__name__}: {e}")
+            manager.stop()
+            return
+        finally:
+            self._started.set()
         try:
             while True:
                 joining, reason = await self.strategy.admit(self.queue, self.running, self.clock)  # type: ignore[attr-defined]
@@ -303,6 +320,24 @@ class HFEngine(GenEngine):
                     self._hand_over(manager, loop, seq)
         finally:
             manager.stop()
+
+    async def ready(self) -> None:
+        """Once the manager has started and made one token: an architecture it cannot page fails here."""
+        await self._started.wait()
+        if self._start_error is not None:
+            raise self._start_error
+
+    async def _probe(self, manager: HFManager, loop: asyncio.AbstractEventLoop) -> None:
+        """One token of one prompt through the manager (sequence 0; requests count from 1), before any request."""
+        answer: asyncio.Future[Exception | None] = loop.create_future()
+
+        def finish(error: Exception | None) -> None:
+            loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result(error))
+
+        manager.submit(0, [self.model.eos_id or 0], 1, True, lambda tokens: None, lambda reason: finish(None), finish)
+        error = await asyncio.wait_for(answer, _PROBE_TIMEOUT_S)
+        if error is not None:
+            raise ModelLoadError(f"transformers' continuous batching manager cannot run {self.model.name}: {error}")
 
     def _hand_over(self, manager: HFManager, loop: asyncio.AbstractEventLoop, seq: Seq) -> None:
         def on_tokens(tokens: list[int]) -> None:

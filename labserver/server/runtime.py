@@ -89,6 +89,13 @@ class Runtime:
             logger.error("strategy %r cannot serve %r: %s", self.strategy.name, cfg.model, e)
             return
         self.engine.start()
+        try:
+            await self.engine.ready()
+        except ModelLoadError as e:  # it started, and found it cannot serve this model (gen-hf-cb's probe)
+            await self.engine.stop()
+            self.state, self.load_error = "failed", str(e)
+            logger.error("strategy %r cannot serve %r: %s", self.strategy.name, cfg.model, e)
+            return
         self.state = "ready"
         logger.info("serving %s with strategy %s", getattr(self.model, "name", cfg.model), self.strategy.name)
 
