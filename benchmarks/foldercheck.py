@@ -72,7 +72,8 @@ def main() -> int:
     print(f"{'family':7} {'prefill diff':>12} {'decode diff':>12} {'greedy equal':>12}  result  folder")
     ok = True
     for r in rows:
-        passed = max(r["max_diff_prefill"], r["max_diff_decode"]) <= args.atol and r["greedy_tokens_equal"] == r["tokens"]
+        close = max(r["max_diff_prefill"], r["max_diff_decode"]) <= args.atol
+        passed = close and r["greedy_tokens_equal"] == r["tokens"]
         ok &= passed
         r["result"] = "PASS" if passed else "FAIL"
         print(f"{r['family']:7} {r['max_diff_prefill']:12.1e} {r['max_diff_decode']:12.1e} "

@@ -1,4 +1,4 @@
-"""``labserver tiny-model``: write a tiny random-weight GPT-2, Llama or Qwen2 folder, offline.
+"""``labserver tiny-model``: write a tiny random-weight GPT-2, Llama, Qwen2, Qwen3 or Mistral folder, offline.
 
 The folder is ``labserver.models.folders``'s (transformers loads it as any model folder);
 this only parses the flags and says what was written and how to serve it.
@@ -14,7 +14,8 @@ __all__ = ["add_tiny_model", "cmd_tiny_model"]
 def add_tiny_model(sub: argparse._SubParsersAction) -> None:
     from ..models.folders import DTYPE_BYTES, FAMILIES
 
-    p = sub.add_parser("tiny-model", help="write a tiny random-weight model folder (gpt2, llama, qwen2, qwen3, mistral), offline")
+    p = sub.add_parser("tiny-model",
+                       help="write a tiny random-weight model folder (gpt2, llama, qwen2, qwen3, mistral), offline")
     p.add_argument("family", choices=FAMILIES)
     p.add_argument("folder")
     p.add_argument("--layers", type=int, default=2, help="(default: %(default)s)")

@@ -19,8 +19,8 @@ see only the last ``sliding_window`` positions. The paged pool has no window, so
 folder is served with its context cut to the window: no sequence is ever longer than it,
 and within it a window hides nothing (the logits are transformers', tested). Any other
 causal LM (or one of these with a feature the forward passes lack) is refused before its
-weights load, with the architecture named and what runs instead: ``gen-hf-cb``, transformers' own manager, serves it where
-transformers can (``load_folder(..., paged=False)``).
+weights load, with the architecture named and what runs instead: ``gen-hf-cb``,
+transformers' own manager, serves it where transformers can (``load_folder(..., paged=False)``).
 
 The folder's own tokenizer encodes prompts (as it does by default, its BOS included),
 its chat template renders ``/v1/chat/completions``, and its EOS (from

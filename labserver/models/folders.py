@@ -162,7 +162,8 @@ def write_tiny(family: str, folder: str | Path, *, layers: int = 2, hidden: int 
                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                             max_position_embeddings=max_positions, rms_norm_eps=1e-6,
                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                            tie_word_embeddings=family in ("qwen2", "qwen3"), **extra, **ids)  # Qwen2.5-0.5B, Qwen3-0.6B tie
+                            tie_word_embeddings=family in ("qwen2", "qwen3"),  # as Qwen2.5-0.5B's, Qwen3-0.6B's
+                            **extra, **ids)
     torch.manual_seed(seed)
     model = cls(config)
     with torch.no_grad():  # norm weights and biases start as ones and zeros: jitter them, so none can be dropped

@@ -196,7 +196,8 @@ class PagedLM(TokenizerText):
         tokens = iter(choose(self.logits(chunks), [c.end for c in picked], [c.sampling for c in picked], self.eos_ids))
         self._live.update(c.sid for c in chunks)
         if self.costs:
-            self.costs.add_call(time.perf_counter() - start, len(picked), decode=all(len(c.tokens) == 1 for c in chunks))
+            self.costs.add_call(time.perf_counter() - start, len(picked),
+                                decode=all(len(c.tokens) == 1 for c in chunks))
         return [next(tokens) if c.sample else None for c in chunks]
 
     def prefill(self, chunks: list[Chunk]) -> list[int | None]:
