@@ -27,24 +27,6 @@ __all__ = ["GenCounters", "GenEngine", "kv_budget_tokens"]
 DEFAULT_SEQS, DEFAULT_CONTEXT = 64, 2048  # no budget given: this many sequences of this much context, at most
 
 
-def kv_budget_tokens(limits: Any, model: GenModel) -> int:
-    """Positions the KV pool holds: ``max_kv_tokens``, or what ``kv_memory_mb`` holds at the model's bytes per
-    position (the smaller, given both); neither: ``max_batch_size`` (at most 64) x the context (at most 2,048)."""
-    budgets = [limits.max_kv_tokens] if limits.max_kv_tokens else []
-    if limits.kv_memory_mb is not None:
-        per = getattr(model, "kv_bytes_per_token", 0)
-        if not per:
-            raise ModelLoadError(f"kv_memory_mb needs a model that says its KV bytes per position; {model.name} "
-                                 "does not: give max_kv_tokens")
-        budgets.append(int(limits.kv_memory_mb * 2**20) // per)
-        if budgets[-1] < limits.kv_block_tokens:
-            raise ModelLoadError(f"kv_memory_mb={limits.kv_memory_mb:g} holds {budgets[-1]} positions of {per:,} "
-                                 f"bytes ({model.name}): less than one block of {limits.kv_block_tokens}")
-    if budgets:
-        return min(budgets)
-    return int(min(limits.cap, DEFAULT_SEQS) * min(model.max_context, DEFAULT_CONTEXT))
-
-
 @dataclass
 class GenCounters(Counters):
     requests_prefilled: int = count("Sequences whose prompt was computed (their first token made)")
@@ -63,6 +45,24 @@ class GenEngine(EngineBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sids = itertools.count(1)
+
+    @staticmethod
+    def kv_budget_tokens(limits: Any, model: GenModel) -> int:
+        """Positions the KV pool holds: ``max_kv_tokens``, or what ``kv_memory_mb`` holds at the model's bytes per
+        position (the smaller, given both); neither: ``max_batch_size`` (at most 64) x the context (at most 2,048)."""
+        budgets = [limits.max_kv_tokens] if limits.max_kv_tokens else []
+        if limits.kv_memory_mb is not None:
+            per = getattr(model, "kv_bytes_per_token", 0)
+            if not per:
+                raise ModelLoadError(f"kv_memory_mb needs a model that says its KV bytes per position; {model.name} "
+                                     "does not: give max_kv_tokens")
+            budgets.append(int(limits.kv_memory_mb * 2**20) // per)
+            if budgets[-1] < limits.kv_block_tokens:
+                raise ModelLoadError(f"kv_memory_mb={limits.kv_memory_mb:g} holds {budgets[-1]} positions of {per:,} "
+                                     f"bytes ({model.name}): less than one block of {limits.kv_block_tokens}")
+        if budgets:
+            return min(budgets)
+        return int(min(limits.cap, DEFAULT_SEQS) * min(model.max_context, DEFAULT_CONTEXT))
 
     @property
     def running(self) -> Any:
@@ -103,3 +103,6 @@ class GenEngine(EngineBase):
 
     def metrics(self) -> list[Metric]:
         return [*super().metrics(), gauge("running", "Sequences in the running batch", len(self.running))]
+
+
+kv_budget_tokens = GenEngine.kv_budget_tokens  # (the rule both generation engines size their KV pool by)
