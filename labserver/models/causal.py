@@ -125,10 +125,11 @@ def load_folder(spec: str, *, device: str = "auto", dtype: str = "auto", paged: 
     hf_model = hf_model.to(dev).eval()
     eos = _eos_ids(hf_model, tokenizer)
     context = config.get("n_positions") or config.get("max_position_embeddings") or 2048
-    if window(config) and window(config) < context:  # (a window as long as the context hides nothing)
+    cut = window(config)
+    if cut and cut < context:  # (a window as long as the context hides nothing)
         logger.warning("%s attends within a sliding window of %d positions: served with its context cut from %d "
-                       "to %d, where the window hides nothing", spec, window(config), context, window(config))
-        context = window(config)
+                       "to %d, where the window hides nothing", spec, cut, context, cut)
+        context = cut
     note = MEANINGLESS if config.get(RANDOM_KEY) else None
     if note:
         logger.warning("%s: %s", spec, note)

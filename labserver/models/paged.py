@@ -149,8 +149,8 @@ class PagedLM(TokenizerText):
         self.eos_id = eos_id
         self.eos_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)  # every token that ends an answer
         self._live: set[int] = set()  # sequences prefilled and not released
-        weight = hf_model.get_output_embeddings().weight
-        self._head_bias = hf_model.get_output_embeddings().bias
+        self._head = hf_model.get_output_embeddings()  # (found once: _logits runs every step)
+        weight = self._head.weight
         self.kv = PagedKV(layers, kv_heads, head_dim, weight.device, weight.dtype)
         self.costs: Costs | None = None  # set a Costs to time every call's parts (a benchmark's breakdown)
 
@@ -165,8 +165,8 @@ class PagedLM(TokenizerText):
         raise NotImplementedError
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = hidden @ self.hf_model.get_output_embeddings().weight.T
-        return head if self._head_bias is None else head + self._head_bias
+        head = hidden @ self._head.weight.T  # (tied to the embeddings in GPT-2 and the small Qwens)
+        return head if self._head.bias is None else head + self._head.bias
 
     # -- the two steps (one computation: a decode is a chunk of one token) ------------------
     def allocate_kv(self, blocks: int, block_tokens: int) -> None:
