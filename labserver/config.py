@@ -19,7 +19,7 @@ DEFAULT_MODEL = DEFAULT_MODELS["encode"]
 
 
 def default_model(strategy: str) -> str:
-    """The model a strategy gets when none is named: the default of its kind (the embedded encoder, or GPT-2)."""
+    """The model a strategy gets when none is named: the default of its kind (the embedded encoder or generator)."""
     cls = STRATEGIES.get(strategy)
     return DEFAULT_MODELS[cls.kind if cls is not None else "encode"]
 

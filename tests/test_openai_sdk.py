@@ -123,12 +123,12 @@ def test_embeddings_with_the_sdk_defaults(emb: labserver.ServerHandle) -> None:
 def test_typed_exceptions_for_400_and_404(gen: labserver.ServerHandle, emb: labserver.ServerHandle) -> None:
     c = client(gen)
     with pytest.raises(openai.BadRequestError) as bad:
-        c.completions.create(model="gpt2-tiny-random", prompt="x", n=2)
-    assert bad.value.status_code == 400 and bad.value.param == "n" and "n" in bad.value.message
+        c.completions.create(model="gpt2-tiny-random", prompt="x", n=2, best_of=3)
+    assert bad.value.status_code == 400 and bad.value.param == "best_of" and "n" in bad.value.message
     with pytest.raises(openai.BadRequestError) as bad:
         c.chat.completions.create(model="gpt2-tiny-random", messages=[{"role": "user", "content": "x"}],
-                                  logprobs=True)
-    assert bad.value.param == "logprobs"
+                                  logprobs=True, top_logprobs=21)
+    assert bad.value.param == "top_logprobs"
     with pytest.raises(openai.NotFoundError) as missing:
         c.completions.create(model="gpt-4o", prompt="x")
     assert missing.value.code == "model_not_found" and "gpt2-tiny-random" in missing.value.message

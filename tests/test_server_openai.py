@@ -32,7 +32,7 @@ NAME = "synthetic-gen:1+0.5"
 @pytest.fixture(scope="module")
 def gen() -> Iterator[labserver.ServerHandle]:
     with labserver.serve("gen-continuous", SyntheticGen(1, 0.5, max_context=64), max_batch_size=8,
-                         max_body_bytes=4096, max_new_tokens=40) as h:
+                         max_body_bytes=4096, max_new_tokens=40, max_inputs=4) as h:
         yield h
 
 
@@ -141,10 +141,12 @@ def test_ignored_fields_are_accepted_named_and_logged(gen: labserver.ServerHandl
 
 
 @pytest.mark.parametrize("path, body, param, fragment", [
-    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "n": 3}, "n", "must be 1"),
-    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "best_of": 2}, "best_of", "best_of"),
-    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "logprobs": 1}, "logprobs", "logprobs"),
-    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "echo": True}, "echo", "echo"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "n": 0}, "n", "at least 1"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": ["x", "y"], "n": 3}, "n", "over the limit of 4"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "best_of": 2}, "best_of", "must equal"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "logprobs": 1}, "logprobs", "computes no scores"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "logprobs": 6}, "logprobs", "between 0 and 5"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "logprobs": True}, "logprobs", "integer"),
     (wire.V1_COMPLETIONS_PATH, {"prompt": [1, 2, 3]}, "prompt", "token-id"),
     (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "max_tokens": 0}, "max_tokens", "between 1 and 40"),
     (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "max_tokens": 41}, "max_tokens", "cap"),
@@ -158,7 +160,12 @@ def test_ignored_fields_are_accepted_named_and_logged(gen: labserver.ServerHandl
     (wire.V1_CHAT_PATH, {"messages": []}, "messages", "non-empty"),
     (wire.V1_CHAT_PATH, {"messages": [{"role": "wizard", "content": "x"}]}, "messages", "role"),
     (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "text"),
-    (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", ""),
+    (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs", "no scores"),
+    (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     "needs"),
+    (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", "between 0 and 20"),
+    (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo", "completions"),
     (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "tools", "tools"),
     (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}],

@@ -25,8 +25,9 @@ _LIMITS = Limits()
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="minilm (embedded default), bert-base-random, synthetic:BASE+PER_ITEM, echo, "
-                        "or a Hugging Face id / local folder; for gen-* strategies: gpt2-random (their "
-                        "default), gpt2-tiny-random, synthetic-gen:PREFILL+STEP, or a folder of a GPT-2, Llama, "
+                        "or a Hugging Face id / local folder; for gen-* strategies: smollm2 (their default: "
+                        "the embedded SmolLM2-135M-Instruct), gpt2-random, gpt2-tiny-random (random weights), "
+                        "synthetic-gen:PREFILL+STEP, or a folder of a GPT-2, Llama, "
                         "Qwen2, Qwen3 or Mistral causal LM (labserver tiny-model writes one)")
     p.add_argument("--task", default=None, help="pipeline task for a hub id or folder")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"], help="(default: auto)")

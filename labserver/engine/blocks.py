@@ -22,6 +22,10 @@ Every block is in exactly one state, and ``free + used + cached == total`` alway
     used     in at least one table (its reference count is how many)
     cached   in no table, but registered: a later prompt may reuse it
 
+A request for several choices of one prompt (``n`` > 1) shares the same way without a
+cache: ``fork`` starts a choice's table with the first choice's whole computed prompt
+blocks, each referenced once more.
+
 Only whole blocks strictly before a prompt's last token are ever shared: the last token
 is always computed (its scores give the next token), so nobody writes into a shared block.
 
@@ -54,6 +58,7 @@ class BlockManager:
         self._block_of: dict[Key, int] = {}  # prefix cache: key -> block
         self._key_of: dict[int, tuple[Key, Key | None, tuple[int, ...]]] = {}  # block -> (key, parent, tokens)
         self._keys: dict[int, list[Key]] = {}  # owner -> keys of its leading full, computed blocks
+        self._forked: set[int] = set()  # blocks shared by fork (registered or not), until they are free
         self.evicted = 0  # cached blocks whose memory was taken for something else
 
     # -- counts -----------------------------------------------------------------------------
@@ -122,6 +127,19 @@ class BlockManager:
         self._keys[owner] = [key for key, _ in hits]
         return len(hits) * self.block_tokens
 
+    def fork(self, owner: int, parent: int, positions: int) -> int:
+        """A new table for ``owner`` holding ``parent``'s whole blocks among its first ``positions`` positions
+        (their KV computed: the caller's word); returns their tokens."""
+        if owner in self.tables:
+            raise ValueError(f"owner {owner} already has a block table")
+        shared = self.tables[parent][:positions // self.block_tokens]
+        for block in shared:
+            self.refs[block] += 1
+        self._forked.update(shared)
+        self.tables[owner] = list(shared)
+        self._keys[owner] = self._keys[parent][:len(shared)]
+        return len(shared) * self.block_tokens
+
     def grow(self, owner: int, positions: int) -> bool:
         """Blocks for ``owner``'s first ``positions`` positions; False (and nothing taken) if too few are available."""
         table = self.tables[owner]
@@ -164,6 +182,7 @@ class BlockManager:
         for block in reversed(table or []):  # tail first: it is evicted before the head
             self.refs[block] -= 1
             if self.refs[block] == 0:
+                self._forked.discard(block)
                 if block in self._key_of:
                     self._cached[block] = None
                 else:
@@ -184,7 +203,8 @@ class BlockManager:
             states = (block in free) + (block in cached) + (self.refs[block] > 0)
             assert states == 1, f"block {block} is in {states} states"
             if self.refs[block] > 1:
-                assert block in self._key_of, f"block {block} is shared but was never registered"
+                assert block in self._key_of or block in self._forked, f"block {block} is shared but was never " \
+                                                                        "registered or forked"
         assert all(block in self._key_of for block in cached), "an unregistered block is cached"
         assert all(self._block_of[key] == block for block, (key, *_) in self._key_of.items())
         assert self.free + self.used + self.cached == self.total

@@ -76,14 +76,24 @@ class GenEngine(EngineBase):
         if need > self.model.max_context:
             raise InputRejected(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) is "
                                 f"{need}, over the model's context of {self.model.max_context} tokens")
+        if sampling is not None and (sampling.logprobs, sampling.prompt_logprobs) != (None, None) and not self.scores:
+            raise InputRejected(f'"logprobs": {self.model.name} computes no scores under {self.strategy.name}; '
+                                "serve a real model (smollm2, a folder) with gen-continuous or gen-paged",
+                                param="logprobs")
+
+    @property
+    def scores(self) -> bool:
+        """Whether this engine's model gives log-probabilities (``Sampling.logprobs``): a model that computes."""
+        return bool(getattr(self.model, "scores", False))
 
     def submit(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False, request_id: str = "",
                sampling: Sampling | None = None, stop: Sequence[str] = (), min_tokens: int = 0, priority: int = 0,
-               tenant: str = "") -> Seq:
+               tenant: str = "", parent: Seq | None = None) -> Seq:
         """Queue one sequence. Raises InputRejected (too long), Overloaded, ShuttingDown or WorkerDied.
 
         ``sampling`` None is greedy; ``stop`` strings end it early ("stop"); EOS cannot end it
-        before ``min_tokens`` (the model never chooses EOS before then).
+        before ``min_tokens`` (the model never chooses EOS before then). ``parent``: another
+        choice of the same request (n > 1), the first, whose prompt blocks this one may share.
         """
         self.check(prompt_ids, max_new_tokens, sampling, stop, min_tokens)
         self.admit_or_refuse(1)
@@ -93,7 +103,7 @@ class GenEngine(EngineBase):
         seed = hash((tuple(prompt_ids), sampling.seed if sampling else None))  # its EOS stand-in: per request
         seq = Seq(next(self._sids), prompt_ids, max_new_tokens, asyncio.get_running_loop().create_future(), now,
                   self.deadline_s(now), ignore_eos, request_id, sampling, tuple(stop), min_tokens,
-                  eos_prob=self.limits.eos_prob, eos_seed=seed, priority=priority, tenant=tenant)
+                  eos_prob=self.limits.eos_prob, eos_seed=seed, priority=priority, tenant=tenant, parent=parent)
         self.queue.put([seq])
         return seq
 

@@ -282,6 +282,8 @@ class HFEngine(GenEngine):
     def running(self) -> list[Seq]:
         return self.in_flight
 
+    scores = False  # transformers' manager hands back tokens, not their scores
+
     def check(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None,
               stop: Sequence[str], min_tokens: int) -> None:
         super().check(prompt_ids, max_new_tokens, sampling, stop, min_tokens)

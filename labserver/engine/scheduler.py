@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..models import Chunk
+from ..models import Chunk, Logprob, Scored
 from ..strategies import GenStrategy
 from ..strategies.generate import Call
 from .blocks import BlockManager
@@ -70,6 +70,7 @@ class StepCounters(GenCounters):
     recomputed_tokens: int = count("Tokens prefilled again after a preemption")
     prompt_tokens: int = count("Prompt tokens of admitted sequences (first admission)")
     cached_tokens: int = count("Of those, tokens whose KV the prefix cache held (not computed)")
+    shared_tokens: int = count("Of those, tokens a choice shared with its request's first choice (n > 1; not computed)")
 
 
 @dataclass
@@ -135,7 +136,7 @@ class Scheduler:
 
     def __init__(self, strategy: GenStrategy, queue: Any, blocks: BlockManager, counters: StepCounters,
                  clock: Callable[[], float], live: Callable[[list[Seq], float, str], list[Seq]],
-                 emit: Callable[[Seq, int, float], None], history: int = 20_000) -> None:
+                 emit: Callable[[Seq, int, float, Logprob | None], None], history: int = 20_000) -> None:
         """``live`` drops the gone and answers the expired (the engine's door); ``emit`` hands a token over."""
         self.strategy, self.queue, self.blocks, self.counters = strategy, queue, blocks, counters
         self.clock, self.live, self.emit = clock, live, emit
@@ -166,20 +167,44 @@ class Scheduler:
         self.counters.left_while_generating += len(gone)
         self._leave(gone)
         now = self.clock()  # one reading for the deadline check and the prefill's start
-        joined = self._give_blocks(self.live(joining, now, "no first token before timeout_ms"), now)
+        joined = self._give_blocks(self._after_parents(self.live(joining, now, "no first token before timeout_ms")),
+                                   now)
         if joined:
             self.counters.prefill_reasons[reason] += 1
         self.running.seqs.extend(joined)
         self._calls = self.strategy.compose(self.running)
 
+    def _after_parents(self, joining: list[Seq]) -> list[Seq]:
+        """A choice (n > 1) whose first choice is running with its prompt not yet computed waits a step (back to
+        the head of the queue), to share those blocks instead of computing the same prompt beside them."""
+        running = set(self.running.seqs) | set(joining)
+        wait = [s for s in joining if s.parent in running and s.parent.computed < len(s.parent.prompt_ids)]
+        for seq in reversed(wait):
+            self.queue.putback(seq)
+        return [s for s in joining if s not in wait] if wait else joining
+
+    def _start(self, seq: Seq) -> int:
+        """A new block table: shared with its first choice (n > 1) if that one still holds its computed prompt, else
+        the prefix cache's hits (none for a prompt still to be scored: its every position is computed)."""
+        parent = seq.parent
+        if parent is not None and parent.sid in self.blocks.tables and parent.computed >= len(parent.prompt_ids):
+            shared = self.blocks.fork(seq.sid, parent.sid, min(len(seq.prompt_ids), parent.computed) - 1)
+            if seq.wants_prompt_scores:  # (the same prompt: the first choice scored it)
+                seq.prompt_logprobs[:] = parent.prompt_logprobs
+            if math.isnan(seq.admitted_s):
+                self.counters.shared_tokens += shared
+            return shared
+        return self.blocks.start(seq.sid, () if seq.wants_prompt_scores else seq.context)
+
     def _give_blocks(self, seqs: list[Seq], now: float) -> list[Seq]:
-        """The admitted get their block tables: the prefix cache's hits, then blocks for the rest and their next token.
+        """The admitted get their block tables: shared or cached blocks (``_start``), then blocks for the rest and
+        their next token.
 
         The strategy admitted them because these blocks are available; should one still not
         fit, it and those after it go back to the head of the queue, in order.
         """
         for i, seq in enumerate(seqs):
-            hit = self.blocks.start(seq.sid, seq.context)
+            hit = self._start(seq)
             if not self.blocks.grow(seq.sid, seq.kv_tokens + 1):
                 self.blocks.release(seq.sid)
                 for back in reversed(seqs[i:]):
@@ -188,9 +213,10 @@ class Scheduler:
             seq.computed, seq.seen = hit, False
             if math.isnan(seq.admitted_s):  # its first admission (a preempted one keeps its first times)
                 seq.admitted_s = now
-                seq.cached_tokens = hit
                 self.counters.prompt_tokens += len(seq.prompt_ids)
-                self.counters.cached_tokens += hit
+                if seq.parent is None or seq.parent.sid not in self.blocks.tables:  # (a fork's hit is not a cache's)
+                    seq.cached_tokens = hit
+                    self.counters.cached_tokens += hit
             else:
                 self.counters.recomputed_tokens += seq.pending
             if seq.deadline_s < now:  # live() used the same reading: impossible, counted anyway
@@ -221,6 +247,8 @@ class Scheduler:
         self.blocks.release(victim.sid)
         self.released.append(victim.sid)
         victim.computed, victim.seen = 0, False
+        if victim.wants_prompt_scores:  # scored in part: scored again from the start when recomputed
+            victim.prompt_logprobs.clear()
         victim.preemptions += 1
         self.queue.putback(victim)  # several in one step: the oldest ends up first in line
 
@@ -228,8 +256,10 @@ class Scheduler:
         """The next ``n`` of its pending tokens (a finished sequence: its last position, computed again)."""
         start, prompt = seq.computed, seq.prompt_ids
         tokens = prompt[start:start + n] + seq.tokens[max(0, start - len(prompt)):start + n - len(prompt)]
+        scoring = seq.wants_prompt_scores and len(seq.prompt_logprobs) == start  # (echo: from position 1 on)
+        score = prompt[start + 1:start + n + 1] if scoring else ()
         return Chunk(seq.sid, tokens, start, tuple(self.blocks.tables[seq.sid]), sample=start + n == seq.kv_tokens,
-                     sampling=seq.sampling, prompt_len=len(prompt))
+                     sampling=seq.sampling, prompt_len=len(prompt), score=score)
 
     # -- the outcome ------------------------------------------------------------------------
     def apply(self, plan: Plan, outs: Sequence[Any], start_s: float, end_s: float) -> None:
@@ -238,6 +268,11 @@ class Scheduler:
         decoding = {s.sid for s, _ in plan.work if s.decoding}  # (the rest computed prompt tokens)
         idle, failed = [], []
         for (seq, n), out in zip(plan.work, outs, strict=True):
+            logprob = None
+            if isinstance(out, Scored):
+                if seq.wants_prompt_scores and len(seq.prompt_logprobs) == seq.computed:
+                    seq.prompt_logprobs += out.prompt
+                out, logprob = out.token, out.logprob
             if isinstance(out, Exception):
                 c.items_failed += 1
                 if not seq.future.done():
@@ -256,7 +291,7 @@ class Scheduler:
                 if seq.sid in decoding:
                     seq.steps += 1
                     seq.step_batch_sum += len(plan.work)
-                self.emit(seq, out, end_s)
+                self.emit(seq, out, end_s, logprob)
                 c.tokens_generated += 1
             self.strategy.scheduling.served(seq, 0 if seq.sid in decoding else n, 1 if seq.sid in decoding else 0)
         if plan.kind != "prefill":

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..models import Sampling
-from ..models.base import position_seed
+from ..models.base import Logprob, position_seed
 
 __all__ = ["Seq"]
 
@@ -54,6 +54,9 @@ class Seq:
     replica: str = ""  # behind a router: the replica generating it (known by its first token)
     priority: int = 0  # its class: a lower value is served first (and may displace a higher one: scheduling)
     tenant: str = ""  # whose request: fair shares are kept per tenant
+    parent: Seq | None = field(default=None, repr=False)  # n > 1: the request's first choice, whose prompt blocks this one shares once computed
+    logprobs: list[Logprob] = field(default_factory=list)  # one per token, when its sampling asks (Sampling.logprobs)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # one per prompt token after the first (echo)
     _wake: asyncio.Future[None] | None = field(default=None, repr=False)
 
     @property
@@ -93,10 +96,18 @@ class Seq:
         """The client left, or the request was answered otherwise (timeout, shutdown)."""
         return self.future.done() and not self.finished
 
+    @property
+    def wants_prompt_scores(self) -> bool:
+        """Its prompt's log-probabilities are asked for (echo) and not all computed yet."""
+        s = self.sampling
+        return s is not None and s.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+
     def emit(self, token: int, now: float, eos_id: int | None, text: Callable[[list[int]], str] | None = None,
-             eos_ids: Collection[int] = ()) -> None:
+             eos_ids: Collection[int] = (), logprob: Logprob | None = None) -> None:
         """Append a token; finish on a stop string, max_new_tokens or EOS; wake whoever streams it.
 
+        ``logprob``: the model's for the token it chose (kept when its sampling asks for them;
+        NaN for a token the EOS stand-in put in its place).
         ``eos_ids``: further tokens that end it as EOS does (a model whose config lists several).
         ``text`` (the model's detokenizer) is read only for a sequence with stop strings. With
         ``eos_prob``, the token becomes EOS with that probability, drawn per position: a trained
@@ -110,6 +121,8 @@ class Seq:
                 and random.Random(position_seed(self.eos_seed, self.kv_tokens)).random() < self.eos_prob):
             token = eos_id
         self.tokens.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob if logprob.token == token else Logprob(token, math.nan))
         if self.stop and text is not None and any(s in text(self.tokens) for s in self.stop):
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.max_new_tokens:

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..models import GenModel, InputRejected, ModelLoadError, Sampling
+from ..models import GenModel, InputRejected, Logprob, ModelLoadError, Sampling
 from ..strategies import GenStrategy
 from .blocks import BlockManager
 from .counters import Metric, gauge
@@ -119,8 +119,8 @@ class StepEngine(GenEngine):
             self.scheduler.released = []
             await self.call(self.model.release, released)
 
-    def _emit(self, seq: Seq, token: int, now: float) -> None:
-        seq.emit(token, now, self.model.eos_id, self.model.text, self._eos_ids)
+    def _emit(self, seq: Seq, token: int, now: float, logprob: Logprob | None = None) -> None:
+        seq.emit(token, now, self.model.eos_id, self.model.text, self._eos_ids, logprob)
 
     # -- what /stats shows ------------------------------------------------------------------
     def metrics(self) -> list[Metric]:

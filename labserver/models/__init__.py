@@ -9,6 +9,7 @@ spec                               kind      what (module)
 ``bert-base-random``               encode    the guide's BERT shape, random weights (``encoders``)
 a hub id or folder                 encode    any transformers pipeline (``encoders``)
 ``synthetic:BASE+PER``, ``echo``   encode    known cost, no compute (``synthetic``)
+``smollm2`` (default)              generate  the embedded SmolLM2-135M-Instruct (``smollm2``)
 ``gpt2-random``                    generate  GPT-2 small's shape, random weights (``gpt2``)
 ``gpt2-tiny-random``               generate  2 layers, 64 wide: for tests (``gpt2``)
 a causal LM folder                 generate  GPT-2, Llama, Qwen2: your own (``causal``)
@@ -29,8 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .base import (GREEDY, MEANINGLESS, POISON, Chunk, GenModel, InputRejected, Model, ModelError, ModelLoadError,
-                   OutOfMemory, Sampling, keep_freed_memory, minilm_dir, on_fresh_thread, pick_device, pick_dtype)
+from .base import (GREEDY, MEANINGLESS, POISON, Chunk, GenModel, InputRejected, Logprob, Model, ModelError,
+                   ModelLoadError, OutOfMemory, Sampling, Scored, keep_freed_memory, minilm_dir, on_fresh_thread,
+                   pick_device, pick_dtype)
 from .synthetic import (
     Echo,
     Synthetic,
@@ -40,7 +42,8 @@ from .synthetic import (
 )
 
 __all__ = ["DEFAULT_MODELS", "GREEDY", "MEANINGLESS", "MODELS", "POISON", "Chunk", "Echo", "GenModel",
-           "InputRejected", "Model", "ModelError", "ModelLoadError", "ModelSpec", "OutOfMemory", "Sampling", "Synthetic",
+           "InputRejected", "Logprob", "Model", "ModelError", "ModelLoadError", "ModelSpec", "OutOfMemory", "Sampling",
+           "Scored", "Synthetic",
            "SyntheticGen", "find_spec", "keep_freed_memory", "kind_of", "load_model", "minilm_dir", "model_names",
            "on_fresh_thread", "parse_synthetic", "parse_synthetic_gen", "pick_device", "pick_dtype", "register_model"]
 
@@ -58,7 +61,7 @@ class ModelSpec:
 
 
 MODELS: list[ModelSpec] = []  # the registry, most specific first; a hub id or folder (encoders) is the last resort
-DEFAULT_MODELS = {"encode": "minilm", "generate": "gpt2-random"}  # what a strategy of each kind gets unasked
+DEFAULT_MODELS = {"encode": "minilm", "generate": "smollm2"}  # what a strategy of each kind gets unasked
 
 
 def register_model(name: str, kind: str, matches: Callable[[str], bool] | None = None) -> Callable[[Loader], Loader]:
@@ -134,6 +137,14 @@ def _bert(spec: str, *, device: str, dtype: str, task: str | None) -> Model:
 @register_model("echo", "encode")
 def _echo(spec: str, **_: Any) -> Model:
     return Echo()
+
+
+@register_model("smollm2", "generate")
+def _smollm2(spec: str, *, device: str, dtype: str, task: str | None) -> GenModel:
+    from .causal import load_folder
+    from .smollm2 import NAME, folder
+
+    return load_folder(str(folder()), device=device, dtype=dtype, name=NAME)  # type: ignore[no-any-return]
 
 
 @register_model("gpt2-tiny-random", "generate")

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["GREEDY", "MEANINGLESS", "POISON", "Chunk", "GenModel", "InputRejected", "Model", "ModelError",
-           "ModelLoadError", "OutOfMemory", "Sampling", "Samplings", "generate_alone", "keep_freed_memory", "minilm_dir",
-           "on_fresh_thread",
-           "pick_device", "pick_dtype", "position_seed"]
+__all__ = ["GREEDY", "MAX_LOGPROBS", "MEANINGLESS", "POISON", "Chunk", "GenModel", "InputRejected", "Logprob",
+           "Model", "ModelError", "ModelLoadError", "OutOfMemory", "Sampling", "Samplings", "Scored", "generate_alone",
+           "keep_freed_memory", "minilm_dir", "on_fresh_thread", "pick_device", "pick_dtype", "position_seed",
+           "token_of"]
 
 T = TypeVar("T")
 
@@ -86,12 +86,18 @@ class Sampling:
     top_p: float = 1.0  # nucleus: sample among the most likely tokens whose probabilities sum to top_p
     seed: int | None = None  # None: a fresh draw each time; an int: reproducible per position
     eos_from: int = 0  # EOS may not be chosen at positions before this (a request's min_tokens)
+    logprobs: int | None = None  # with each chosen token: its log-probability and this many alternatives' (None: none)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (None: none; echo)
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature <= 100:
             raise ValueError(f"temperature must be in 0..100, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in 0..{MAX_LOGPROBS}, got {k}")
 
     @property
     def greedy(self) -> bool:
@@ -100,6 +106,29 @@ class Sampling:
 
 GREEDY = Sampling()
 Samplings = Sequence[Sampling | None] | None  # one per sequence of a call (None: all greedy)
+MAX_LOGPROBS = 20  # alternatives per position at most (OpenAI's top_logprobs cap)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One position's log-probability: natural log, from the model's raw scores (before temperature or top-p).
+
+    ``top`` lists the most likely tokens at that position, best first, with theirs (as many
+    as were asked; the chosen token is among them only if it is one of the most likely).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A chunk's output when log-probabilities were asked (``Sampling.logprobs``, ``Chunk.score``)."""
+
+    token: int | None  # the next token (None: a piece of a prompt with more to come)
+    logprob: Logprob | None = None  # the chosen token's (None: not asked, or no token chosen)
+    prompt: tuple[Logprob, ...] = ()  # one per token of the chunk's ``score``, in order
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -124,6 +153,7 @@ class Chunk:
     sample: bool = True  # choose the token after the last one (False: more of the prompt is still to come)
     sampling: Sampling | None = None  # how (None: greedy)
     prompt_len: int = 0  # how many of the sequence's tokens are its prompt (what follows was generated)
+    score: Sequence[int] = ()  # prompt tokens to score (echo): the token after each position from start, in order
 
     @property
     def end(self) -> int:
@@ -152,16 +182,22 @@ class GenModel(Protocol):
     def allocate_kv(self, blocks: int, block_tokens: int) -> None:
         """Hold keys and values for ``blocks`` blocks of ``block_tokens`` positions (the engine's budget)."""
 
-    def prefill(self, chunks: list[Chunk]) -> list[int | None]:
+    def prefill(self, chunks: list[Chunk]) -> list[int | Scored | None]:
         """Compute these chunks (prompt tokens; in a chunked-prefill step also others' single decode
         tokens), writing their KV where their tables say; a next token for each chunk with
-        ``sample``, None for the others."""
+        ``sample``, None for the others. A model that scores returns a ``Scored`` instead for a
+        chunk whose sampling asks for log-probabilities or that has tokens to ``score``."""
 
-    def decode(self, chunks: list[Chunk]) -> list[int]:
+    def decode(self, chunks: list[Chunk]) -> list[int | Scored]:
         """One step: each chunk is one sequence's last token; returns each one's next token."""
 
     def release(self, seq_ids: list[int]) -> None:
         """These sequences are gone (finished, failed, left, preempted): forget them (unknown ids are ignored)."""
+
+
+def token_of(out: int | Scored | None) -> int | None:
+    """The token in a model call's output for one chunk, scored or not."""
+    return out.token if isinstance(out, Scored) else out
 
 
 def generate_alone(model: GenModel, prompt_ids: list[int], n: int, *, sid: int = 1,
@@ -175,10 +211,12 @@ def generate_alone(model: GenModel, prompt_ids: list[int], n: int, *, sid: int =
     table = tuple(range(-(-(len(prompt_ids) + n) // block_tokens)))
     model.allocate_kv(len(table), block_tokens)
     p = len(prompt_ids)
-    tokens = model.prefill([Chunk(sid, prompt_ids, 0, table, sampling=sampling, prompt_len=p)])
+    first = model.prefill([Chunk(sid, prompt_ids, 0, table, sampling=sampling, prompt_len=p)])
+    tokens = [token_of(first[0])]
     while len(tokens) < n:
-        tokens += model.decode([Chunk(sid, [tokens[-1]], p + len(tokens) - 1, table, sampling=sampling,  # type: ignore[list-item]
-                                      prompt_len=p)])
+        step = model.decode([Chunk(sid, [tokens[-1]], p + len(tokens) - 1, table,  # type: ignore[list-item]
+                                   sampling=sampling, prompt_len=p)])
+        tokens.append(token_of(step[0]))
     model.release([sid])
     return tokens  # type: ignore[return-value]
 

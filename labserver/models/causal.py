@@ -97,8 +97,11 @@ def window(config: dict[str, Any]) -> int | None:
     return int(size) if sliding and size else None
 
 
-def load_folder(spec: str, *, device: str = "auto", dtype: str = "auto", paged: bool = True) -> Any:
+def load_folder(spec: str, *, device: str = "auto", dtype: str = "auto", paged: bool = True,
+                name: str | None = None) -> Any:
     """The generator a causal LM folder (or cached hub id) holds. Raises ModelLoadError with what to do.
+
+    ``name``: what answers and logs call it (default: ``spec``; the embedded ``smollm2`` names its cache folder).
 
     ``paged`` (the step engine's strategies): a family without a forward pass here is refused
     before its weights load. ``paged=False`` (``gen-hf-cb``) loads any causal LM transformers
@@ -134,19 +137,20 @@ def load_folder(spec: str, *, device: str = "auto", dtype: str = "auto", paged: 
     if note:
         logger.warning("%s: %s", spec, note)
     first = eos[0] if eos else None
+    name = name or spec
     if why:
         from .paged import TransformersOnly
 
-        model: Any = TransformersOnly(spec, hf_model, tokenizer, max_context=context, eos_id=first,
+        model: Any = TransformersOnly(name, hf_model, tokenizer, max_context=context, eos_id=first,
                                       why=f"{spec}: {why}")
     elif config["model_type"] == "gpt2":
         from .gpt2 import GPT2Gen
 
-        model = GPT2Gen(spec, hf_model, tokenizer, note=note, eos_id=first)
+        model = GPT2Gen(name, hf_model, tokenizer, note=note, eos_id=first)
     else:
         from .llama import LlamaGen
 
-        model = LlamaGen(spec, hf_model, tokenizer, eos_id=first, max_context=context, note=note)
+        model = LlamaGen(name, hf_model, tokenizer, eos_id=first, max_context=context, note=note)
     model.eos_ids = tuple(eos)
     return model
 

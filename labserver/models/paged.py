@@ -10,7 +10,10 @@ and everything else is here, the same for every family:
   per position are the model's (layers x 2 x KV heads x head size x dtype size);
 - the steps: a call is a list of ``Chunk`` flattened into one row of tokens; the scores
   of the last token of each chunk that samples become its next token
-  (``labserver.models.sampling.choose``).
+  (``labserver.models.sampling.choose``); where a chunk's sampling asks, the chosen
+  token's log-probability and the most likely alternatives come with it, and a chunk's
+  ``score`` tokens (a prompt's, for echo) are scored from the rows before them
+  (``labserver.models.sampling.logprobs_of``): a ``Scored`` output.
 
 ``TransformersOnly`` is the same text over a causal LM this module cannot run (an
 architecture with no forward pass here): only transformers' own manager
@@ -19,6 +22,7 @@ architecture with no forward pass here): only transformers' own manager
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from dataclasses import dataclass, fields
@@ -26,10 +30,10 @@ from typing import Any
 
 import torch
 
-from .base import Chunk, InputRejected, ModelError
+from .base import Chunk, InputRejected, ModelError, Scored
 from .configs import kv_bytes_per_token
 from .kvcache import CallPlan, PagedKV
-from .sampling import choose
+from .sampling import choose, logprobs_of
 
 __all__ = ["Costs", "PagedLM", "TokenizerText", "TransformersOnly"]
 
@@ -77,6 +81,21 @@ def _is_wordpiece(tokenizer: Any) -> bool:
     return type(getattr(backend, "model", None)).__name__ == "WordPiece"
 
 
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+
+
+@functools.cache
+def _byte_values() -> dict[str, int]:
+    """Byte-level BPE's alphabet: the character each byte is written as in a piece, back to the byte (GPT-2's
+    table: printable bytes stand for themselves, the rest take the characters from U+0100 on, in order)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
 class TokenizerText:
     """A GenModel's text side, from a transformers tokenizer: ``encode``, ``token_text``, ``text``.
 
@@ -94,6 +113,7 @@ class TokenizerText:
         self.start_id = start_id
         self._special = set(tokenizer.all_special_ids)
         self._wordpiece = _is_wordpiece(tokenizer)
+        self._byte_level = _is_byte_level(tokenizer)
         self._texts: dict[int, str] = {}  # token -> its streamed text, as tokens are first seen
 
     def encode(self, prompt: str) -> list[int]:
@@ -129,6 +149,16 @@ class TokenizerText:
     def text(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)  # type: ignore[no-any-return]
 
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes: a byte-level BPE piece (GPT-2, Llama 3, Qwen, SmolLM) may be part of a character,
+        which its text shows as U+FFFD; other tokenizers' pieces are whole characters (their text, in UTF-8)."""
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if token not in self._special and isinstance(piece, str) and self._byte_level:
+            table = _byte_values()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+        return self.token_text(token).encode()
+
 
 class PagedLM(TokenizerText):
     """A GenModel over a transformers causal LM's weights, run by ``_forward`` over a ``PagedKV`` pool.
@@ -138,6 +168,7 @@ class PagedLM(TokenizerText):
     """
 
     paged = True  # the step engine can run it (TransformersOnly: only gen-hf-cb)
+    scores = True  # gives log-probabilities when a chunk's sampling asks (Sampling.logprobs)
     family = ""
 
     def __init__(self, name: str, hf_model: Any, tokenizer: Any, *, layers: int, kv_heads: int, head_dim: int,
@@ -176,34 +207,58 @@ class PagedLM(TokenizerText):
     @torch.inference_mode()
     def logits(self, chunks: list[Chunk]) -> torch.Tensor:
         """Compute the chunks; the next-token scores [chunks that sample, vocab], in call order."""
+        return self._logits(self._hidden(chunks)[0])
+
+    def _hidden(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Compute the chunks: the final hidden state of each sampling chunk's last token [chunks that sample,
+        width], and for each chunk with tokens to ``score`` the states of its rows that predict them."""
         for c in chunks:
             if not c.tokens or c.start < 0 or c.end > self.max_context:
                 raise ModelError(f"sequence {c.sid}: positions {c.start}..{c.end - 1} are not within the model's "
                                  f"{self.max_context} (the context limit)")
+            if len(c.score) > len(c.tokens):
+                raise ModelError(f"sequence {c.sid}: {len(c.score)} tokens to score after {len(c.tokens)} positions")
         dev = self.kv.device
         plan = self.kv.plan(chunks)
         ids = torch.tensor([t for c in chunks for t in c.tokens], device=dev)
         positions = torch.tensor([p for c in chunks for p in range(c.start, c.end)], device=dev)
         hidden = self._forward(ids, positions, plan)
-        ends = itertools.accumulate(len(c.tokens) for c in chunks)  # each chunk's last row is its end - 1
-        last = torch.tensor([z - 1 for c, z in zip(chunks, ends, strict=True) if c.sample], dtype=torch.long,
-                            device=dev)  # (none, when every chunk is a piece of a prompt with more to come)
-        return self._logits(hidden.index_select(0, last))
+        starts = [z - len(c.tokens) for c, z in zip(chunks, itertools.accumulate(len(c.tokens) for c in chunks),
+                                                     strict=True)]
+        last = torch.tensor([a + len(c.tokens) - 1 for c, a in zip(chunks, starts, strict=True) if c.sample],
+                            dtype=torch.long, device=dev)  # (none, when every chunk is a piece of a prompt)
+        scored = [hidden[a:a + len(c.score)] for c, a in zip(chunks, starts, strict=True) if c.score]
+        return hidden.index_select(0, last), scored
 
-    def _choose(self, chunks: list[Chunk]) -> list[int | None]:
+    @torch.inference_mode()
+    def _choose(self, chunks: list[Chunk]) -> list[int | Scored | None]:
         start = time.perf_counter()
+        last, scored = self._hidden(chunks)
+        scores = self._logits(last)
         picked = [c for c in chunks if c.sample]
-        tokens = iter(choose(self.logits(chunks), [c.end for c in picked], [c.sampling for c in picked], self.eos_ids))
+        chosen = choose(scores, [c.end for c in picked], [c.sampling for c in picked], self.eos_ids)
         self._live.update(c.sid for c in chunks)
+        outs: list[int | Scored | None] = []
+        tokens, rows, prompts = iter(chosen), iter(range(len(picked))), iter(scored)
+        for c in chunks:
+            token, row = (next(tokens), next(rows)) if c.sample else (None, None)
+            k = c.sampling.logprobs if c.sampling else None
+            if k is None and not c.score:
+                outs.append(token)
+                continue
+            mine = None if k is None or row is None else logprobs_of(scores[row:row + 1], [token], k)[0]
+            prompt = logprobs_of(self._logits(next(prompts)), c.score,
+                                 (c.sampling.prompt_logprobs if c.sampling else None) or 0) if c.score else []
+            outs.append(Scored(token, mine, tuple(prompt)))
         if self.costs:
             self.costs.add_call(time.perf_counter() - start, len(picked),
                                 decode=all(len(c.tokens) == 1 for c in chunks))
-        return [next(tokens) if c.sample else None for c in chunks]
+        return outs
 
-    def prefill(self, chunks: list[Chunk]) -> list[int | None]:
+    def prefill(self, chunks: list[Chunk]) -> list[int | Scored | None]:
         return self._choose(chunks) if chunks else []
 
-    def decode(self, chunks: list[Chunk]) -> list[int]:
+    def decode(self, chunks: list[Chunk]) -> list[int | Scored]:
         for c in chunks:
             if c.sid not in self._live:
                 raise ModelError(f"decode of sequence {c.sid}, which has no cache (never prefilled or released)")

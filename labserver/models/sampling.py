@@ -8,8 +8,11 @@ uses a generator seeded from (seed, position), so the same request gives the sam
 tokens however it was batched, and a sequence recomputed after a preemption picks the
 same tokens again. Before ``eos_from`` the EOS token is never chosen (``min_tokens``).
 
-What this is not: a full logits-processor stack (no repetition penalty, no top-k, no
-logprobs).
+``logprobs_of(scores, tokens, k)`` gives each row's log-probability of a token and its
+``k`` most likely alternatives, from the raw scores (before temperature or top-p, as
+vLLM reports them by default): what ``logprobs``, ``top_logprobs`` and ``echo`` answer.
+
+What this is not: a full logits-processor stack (no repetition penalty, no top-k).
 """
 
 from __future__ import annotations
@@ -18,9 +21,23 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import GREEDY, Samplings, position_seed
+from .base import GREEDY, Logprob, Samplings, position_seed
 
-__all__ = ["choose"]
+__all__ = ["choose", "logprobs_of"]
+
+
+def logprobs_of(scores: torch.Tensor, tokens: Sequence[int], k: int) -> list[Logprob]:
+    """Row i of ``scores`` [rows, vocab]: the log-probability of ``tokens[i]`` and the ``k`` most likely tokens'."""
+    if not len(tokens):
+        return []
+    logp = torch.log_softmax(scores.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    if k:
+        values, ids = logp.topk(k, dim=-1)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    else:
+        tops = [()] * len(tokens)
+    return [Logprob(int(t), float(c), top) for t, c, top in zip(tokens, chosen, tops, strict=True)]
 
 
 def choose(logits: torch.Tensor, positions: list[int], sampling: Samplings = None,

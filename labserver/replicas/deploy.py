@@ -100,16 +100,18 @@ class ReplicaServer:
         try:
             while True:
                 if len(seq.tokens) > sent:
-                    event: dict[str, Any] = {"tokens": seq.tokens[sent:]}
+                    event: dict[str, Any] = _tokens(seq, sent)
                     if not sent:  # its prefill's own time: the ingress splits TTFT into waiting and prefill
                         event["prefill_ms"] = (seq.first_token_s - seq.admitted_s) * 1000
+                        if seq.prompt_logprobs:
+                            event["prompt_logprobs"] = seq.prompt_logprobs
                     yield event
                     sent = len(seq.tokens)
                 if seq.future.done():
                     break
                 await asyncio.wait({seq.next_change(), seq.future}, return_when=asyncio.FIRST_COMPLETED)
             if len(seq.tokens) > sent:
-                yield {"tokens": seq.tokens[sent:]}
+                yield _tokens(seq, sent)
             error = seq.future.exception() if not seq.future.cancelled() else None
             if error is not None:
                 kind, message, _ = describe(error)
@@ -129,6 +131,14 @@ class ReplicaServer:
     async def __del__(self) -> None:
         self._report.cancel()
         await self.runtime.stop()
+
+
+def _tokens(seq: Any, sent: int) -> dict[str, Any]:
+    """The tokens made since ``sent``, with their log-probabilities when the request asked for them."""
+    event: dict[str, Any] = {"tokens": seq.tokens[sent:]}
+    if seq.logprobs:
+        event["logprobs"] = seq.logprobs[sent:]
+    return event
 
 
 @serve.deployment

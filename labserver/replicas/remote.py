@@ -13,8 +13,9 @@ hold); the rest wait in the ingress's queue, whose ``max_queue`` gives 503 with
 Retry-After, as a single server's does.
 
 A replica's events, one dict each: ``{"replica": id}`` first, then ``{"tokens": [...]}``
-(the first also ``prefill_ms``: so ``x-queue-ms`` counts everything before the replica's
-prefill, the ingress's queue, the router and the replica's queue), then ``{"done": {...}}``
+(with ``logprobs`` when the request asked; the first also ``prefill_ms``, so ``x-queue-ms``
+counts everything before the replica's prefill, the ingress's queue, the router and the
+replica's queue, and the prompt's ``prompt_logprobs`` for echo), then ``{"done": {...}}``
 or ``{"error": {"type": ..., "message": ...}}``.
 """
 
@@ -94,8 +95,10 @@ class RemoteEngine(GenEngine):
                         self.counters.requests_prefilled += 1
                         if "prefill_ms" in event:  # admitted = when its replica began its prefill, on this clock
                             seq.admitted_s = self.clock() - event["prefill_ms"] / 1000
-                    for token in event["tokens"]:
-                        seq.emit(token, self.clock(), None)
+                    seq.prompt_logprobs += event.get("prompt_logprobs", [])
+                    scores = event.get("logprobs") or [None] * len(event["tokens"])
+                    for token, logprob in zip(event["tokens"], scores, strict=True):
+                        seq.emit(token, self.clock(), None, logprob=logprob)
                     self.counters.tokens_generated += len(event["tokens"])
                 elif "done" in event:
                     self._finish(seq, event["done"])

@@ -160,7 +160,7 @@ class _Events:
 async def _generate(rt: Runtime, request: Request, body: bytes, rid: str, t0: float) -> Response:
     engine = generation_engine(rt, f"this server runs the encoder strategy {rt.strategy.name}; "
                                    f"{wire.GENERATE_PATH} needs a gen-* strategy and a generative model "
-                                   "(labserver serve --strategy gen-continuous --model gpt2-random)")
+                                   "(labserver serve --strategy gen-continuous)")
     params = parse_generate(body, rt.config.max_new_tokens, rt.config.max_chars)
     prompt_ids = rt.model.encode(params.prompt)  # type: ignore[union-attr]  # InputRejected: 400
     priority, tenant = request_class(request)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -29,13 +29,14 @@ from starlette.responses import Response, StreamingResponse
 
 from ... import wire
 from ...engine import Seq
-from ...models import GenModel
+from ...models import GenModel, Sampling
 from ..generate import generation_engine, wait_all, wait_first_token
 from ..handling import FastJSON, answer, request_class
 from ..runtime import Runtime
 from ..streaming import write_stream
 from .catalog import check_model, served_name
 from .errors import openai_error_body, openai_failure
+from .logprobs import chat_logprobs, completion_logprobs, prompt_entries
 from .params import COMPLETION_DEFAULT_MAX_TOKENS, GenRequest, parse_request
 from .text import TextStream
 
@@ -63,12 +64,13 @@ class _Reply:
         return {"id": prefix + self.rid, "object": kind, "created": self.created, "model": self.model}
 
     def choice(self, index: int, text: str, finish: str | None, *, first: bool = False,
-               stop_reason: str | None = None) -> dict[str, Any]:
+               stop_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One choice of a stream chunk (chat: a delta) or of a completions answer."""
         if not self.req.chat:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish,
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                     "stop_reason": stop_reason}
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         doc = {**self.head(True), "choices": choices}
@@ -78,10 +80,41 @@ class _Reply:
 
 
 def usage(seqs: list[Seq]) -> dict[str, Any]:
-    prompt = sum(len(s.prompt_ids) for s in seqs)
+    """Tokens of the request: each prompt once, however many choices it has (as OpenAI counts)."""
+    firsts = [s for s in seqs if s.parent is None]
+    prompt = sum(len(s.prompt_ids) for s in firsts)
     completion = sum(len(s.tokens) for s in seqs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in seqs)}}
+            "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in firsts)}}
+
+
+class _Scores:
+    """One choice's log-probabilities, as they are sent: the prompt's first (echo), then each token's once."""
+
+    def __init__(self, reply: _Reply, model: GenModel, seq: Seq, prompt_text: str) -> None:
+        self.reply, self.model, self.seq = reply, model, seq
+        self.echo = reply.req.echo and reply.req.logprobs is not None  # the prompt's own come first
+        self.sent = 0  # of seq.logprobs
+        self.offset = len(prompt_text) if reply.req.echo else 0  # text_offset of the next token
+
+    def pending(self) -> dict[str, Any] | None:
+        """The log-probabilities not sent yet (None: none asked, or none new)."""
+        if self.reply.req.logprobs is None:
+            return None
+        seq = self.seq
+        entries = seq.logprobs[self.sent:]
+        offset = self.offset
+        if self.echo:
+            self.echo, offset = False, 0
+            entries = prompt_entries(seq.prompt_ids, seq.prompt_logprobs) + entries
+        if not entries:
+            return None
+        self.sent = len(seq.logprobs)
+        if self.reply.req.chat:
+            return chat_logprobs(self.model, entries)
+        out = completion_logprobs(self.model, entries, offset)
+        self.offset = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
 
 
 def finish_reason(seq: Seq, text: TextStream) -> str:
@@ -106,14 +139,21 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
     check_model(rt, req.model)
     prompts = [model.encode(p) for p in req.prompts]  # InputRejected: 400
     priority, tenant = request_class(request, req.priority)
-    seqs: list[Seq] = []
+    seqs: list[Seq] = []  # choice i is seqs[i]: prompt by prompt, n choices each
+    texts: list[str] = []  # the prompt each choice echoes
     try:
-        for ids in prompts:
+        for text, ids in zip(req.prompts, prompts, strict=True):
             room = max(1, model.max_context - len(ids))
             default = COMPLETION_DEFAULT_MAX_TOKENS if not chat else room
             limit = req.max_tokens or min(default, room, cfg.max_new_tokens)
-            seqs.append(engine.submit(ids, limit, ignore_eos=req.ignore_eos, request_id=rid, sampling=req.sampling,
-                                      stop=req.stop, min_tokens=req.min_tokens, priority=priority, tenant=tenant))
+            first = None
+            for j in range(req.n):
+                seq = engine.submit(ids, limit, ignore_eos=req.ignore_eos, request_id=rid,
+                                    sampling=choice_sampling(req.sampling, j), stop=req.stop,
+                                    min_tokens=req.min_tokens, priority=priority, tenant=tenant, parent=first)
+                first = first or seq
+                seqs.append(seq)
+                texts.append(text)
         for seq in seqs:
             await wait_first_token(rt, request, seq, t0)
     except BaseException:
@@ -128,25 +168,34 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
     if seqs[0].replica:
         headers[wire.HEADER_REPLICA] = ",".join(dict.fromkeys(s.replica for s in seqs))  # (n > 1: each its own)
     if req.stream:
-        return StreamingResponse(write_stream(rt, seqs, rid, t0, _Chunks(reply, seqs, model)),
+        return StreamingResponse(write_stream(rt, seqs, rid, t0, _Chunks(reply, seqs, texts, model)),
                                  media_type="text/event-stream",
                                  headers={**headers, "cache-control": "no-cache"})
     for seq in seqs:
         await wait_all(request, seq)
-    texts = [TextStream(model.text, req.stop) for _ in seqs]
     choices = []
-    for i, (seq, text) in enumerate(zip(seqs, texts)):
+    for i, (seq, prompt) in enumerate(zip(seqs, texts, strict=True)):
+        text = TextStream(model.text, req.stop)
         piece = text.push(seq.tokens, True)
         reason = finish_reason(seq, text)
+        scores = _Scores(reply, model, seq, prompt).pending()
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": piece}, "logprobs": None,
-                            "finish_reason": reason})
+            choices.append({"index": i, "message": {"role": "assistant", "content": piece, "refusal": None},
+                            "logprobs": scores, "finish_reason": reason})
         else:
-            choices.append(reply.choice(i, piece, reason, stop_reason=_stop_reason(seq, text, req)))
+            choices.append(reply.choice(i, prompt + piece if req.echo else piece, reason, logprobs=scores,
+                                        stop_reason=_stop_reason(seq, text, req)))
     now = time.perf_counter()
     rt.answered(now - t0)
     return FastJSON({**reply.head(False), "choices": choices, "usage": usage(seqs)},
                     headers={**headers, wire.HEADER_SERVER_MS: f"{(now - t0) * 1000:.3f}"})
+
+
+def choice_sampling(sampling: Sampling | None, j: int) -> Sampling | None:
+    """Choice j's sampling: with a seed, seed + j (vLLM's rule), so the choices differ and each is reproducible."""
+    if j == 0 or sampling is None or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=sampling.seed + j)
 
 
 def _stop_reason(seq: Seq, text: TextStream, req: GenRequest) -> str | None:
@@ -159,9 +208,11 @@ def _stop_reason(seq: Seq, text: TextStream, req: GenRequest) -> str | None:
 class _Chunks:
     """The /v1 stream: a chunk per write with every choice's new text, then usage and ``[DONE]``."""
 
-    def __init__(self, reply: _Reply, seqs: list[Seq], model: GenModel) -> None:
+    def __init__(self, reply: _Reply, seqs: list[Seq], prompts: list[str], model: GenModel) -> None:
         self.reply, self.seqs = reply, seqs
         self.texts = [TextStream(model.text, reply.req.stop) for _ in seqs]
+        self.scores = [_Scores(reply, model, seq, prompt) for seq, prompt in zip(seqs, prompts, strict=True)]
+        self.echo = list(prompts) if reply.req.echo else [""] * len(seqs)  # sent before a choice's first text
         self.open_ = set(range(len(seqs)))  # choices not yet finished
         self.first = True
 
@@ -175,8 +226,11 @@ class _Chunks:
                 seq.future.cancel()  # the text shows a stop string: this one is done, free its place
                 ended = True
             reason = finish_reason(seq, text) if ended else None
-            if piece or reason or (self.first and req.chat):
-                choices.append(self.reply.choice(i, piece, reason, first=self.first,
+            scores = self.scores[i].pending()
+            if self.echo[i]:
+                piece, self.echo[i] = self.echo[i] + piece, ""
+            if piece or reason or scores or (self.first and req.chat):
+                choices.append(self.reply.choice(i, piece, reason, first=self.first, logprobs=scores,
                                                  stop_reason=_stop_reason(seq, text, req) if reason else None))
             if ended:
                 self.open_.discard(i)

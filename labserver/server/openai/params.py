@@ -6,10 +6,14 @@ server may not use, and break on a server that rejects them):
 - honoured: ``model``, ``prompt`` (a string or a list of strings) / ``messages``,
   ``max_tokens`` (chat: ``max_completion_tokens`` first), ``stream``,
   ``stream_options.include_usage``, ``temperature``, ``top_p``, ``seed``, ``stop``,
-  ``n`` = 1, and vLLM's ``ignore_eos`` and ``min_tokens``;
+  ``n`` (choices per prompt; with a seed, choice j draws with seed + j, as vLLM does),
+  ``best_of`` equal to ``n``, ``logprobs`` (completions: 0 to 5 alternatives; chat:
+  true, with ``top_logprobs`` 0 to 20), ``echo`` (completions: the prompt before the
+  answer; with ``logprobs``, the prompt's log-probabilities too), and vLLM's
+  ``ignore_eos`` and ``min_tokens``;
 - refused with a 400 that says why: a value that asks for what this server cannot do
-  (``n`` > 1, ``best_of`` > 1, ``logprobs``, ``echo``, ``suffix``, ``logit_bias``, tools,
-  a structured ``response_format``, token-id prompts, images);
+  (``best_of`` other than ``n``, ``suffix``, ``logit_bias``, tools, a structured
+  ``response_format``, token-id prompts, images);
 - ignored: everything else (``user``, ``frequency_penalty``, ``presence_penalty``,
   ``repetition_penalty``, ``top_k`` ...): accepted, and named in the answer's
   ``x-ignored-fields`` header and once in the log.
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...models import Sampling
+from ...models.base import MAX_LOGPROBS
 from ..handling import ClientError, check_text, parse_json
 
 logger = logging.getLogger(__name__)
@@ -39,6 +44,7 @@ __all__ = ["CHAT_TEMPLATE", "COMPLETION_DEFAULT_MAX_TOKENS", "GenRequest", "pars
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_TEMPLATE = "{role}: {content}\n"  # per message; the prompt then ends with "assistant:"
 MAX_STOPS = 16
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for /v1/completions' "logprobs" (chat's "top_logprobs": MAX_LOGPROBS)
 
 _COMMON = {"model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "n",
            "ignore_eos", "min_tokens", "priority", "logprobs", "logit_bias", "best_of", "response_format"}
@@ -54,7 +60,10 @@ class GenRequest:
     """One completions or chat request, checked."""
 
     chat: bool
-    prompts: list[str]  # one per choice (chat: the rendered conversation)
+    prompts: list[str]  # one per prompt (chat: the rendered conversation); each gets n choices
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt's text (and log-probabilities) before the answer's
+    logprobs: int | None = None  # alternatives per token with each token's log-probability (None: no logprobs)
     model: str | None = None  # None: whatever this server serves
     max_tokens: int | None = None  # None: the default of the route
     stream: bool = False
@@ -95,11 +104,17 @@ def parse_request(body: bytes, *, chat: bool, max_chars: int, max_tokens_cap: in
     _refuse_unhonourable(doc, chat)
     req = GenRequest(chat=chat, prompts=[])
     req.model = _typed(doc, "model", str, "a string")
+    req.n = _choices(doc)
     if chat:
         messages = doc.get("messages")
         req.prompts = [(template or render_chat)(_messages(messages))]
     else:
         req.prompts = _prompts(doc.get("prompt"), max_prompts)
+        req.echo = bool(_typed(doc, "echo", bool, "true or false"))
+    if len(req.prompts) * req.n > max_prompts:
+        raise _refuse(f"{len(req.prompts)} prompt(s) x n={req.n} is {len(req.prompts) * req.n} sequences, over the "
+                      f"limit of {max_prompts} per request", "n")
+    req.logprobs = _logprobs(doc, chat)
     for i, prompt in enumerate(req.prompts):
         check_text('"messages"' if chat else ('"prompt"' if len(req.prompts) == 1 else f'"prompt"[{i}]'),
                    prompt, max_chars)
@@ -114,7 +129,7 @@ def parse_request(body: bytes, *, chat: bool, max_chars: int, max_tokens_cap: in
     if options is not None:
         req.include_usage = bool(_typed(options, "include_usage", bool, "true or false"))
         req.ignored += [f"stream_options.{k}" for k in sorted(set(options) - {"include_usage"})]
-    req.sampling = _sampling(doc)
+    req.sampling = _sampling(doc, req.logprobs, req.echo)
     req.stop = _stops(doc.get("stop"))
     req.ignore_eos = bool(_typed(doc, "ignore_eos", bool, "true or false"))
     req.min_tokens = _typed(doc, "min_tokens", int, "an integer") or 0
@@ -133,19 +148,13 @@ def parse_request(body: bytes, *, chat: bool, max_chars: int, max_tokens_cap: in
 
 def _refuse_unhonourable(doc: dict[str, Any], chat: bool) -> None:
     """A 400 for every field whose value asks for what this server cannot do."""
-    n = _typed(doc, "n", int, "an integer")
-    if n is not None and n != 1:
-        raise _refuse(f'"n" must be 1 here (got {n}): one choice per prompt; send the request n times', "n")
     best_of = _typed(doc, "best_of", int, "an integer")
-    if best_of is not None and best_of != 1:
-        raise _refuse(f'"best_of" must be 1 here (got {best_of})', "best_of")
-    logprobs = doc.get("logprobs")
-    if logprobs not in (None, False):
-        raise _refuse("logprobs are not computed by this server; leave out \"logprobs\"", "logprobs")
-    if doc.get("top_logprobs") not in (None, 0):
-        raise _refuse("logprobs are not computed by this server; leave out \"top_logprobs\"", "top_logprobs")
-    if doc.get("echo") not in (None, False):
-        raise _refuse('"echo" is not supported: the answer holds the completion only', "echo")
+    n = doc.get("n") if isinstance(doc.get("n"), int) else 1
+    if best_of is not None and best_of not in (1, n):
+        raise _refuse(f'"best_of" must equal "n" here (got best_of={best_of}, n={n}): every choice made is '
+                      "returned; none is chosen by score", "best_of")
+    if chat and doc.get("echo") not in (None, False):
+        raise _refuse('"echo" is for /v1/completions: a chat answer holds the assistant\'s message only', "echo")
     if doc.get("suffix") not in (None, ""):
         raise _refuse('"suffix" (insertion) is not supported', "suffix")
     if doc.get("logit_bias") not in (None, {}):
@@ -160,6 +169,29 @@ def _refuse_unhonourable(doc: dict[str, Any], chat: bool) -> None:
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
         raise _refuse('"response_format": only {"type": "text"} is supported (no JSON mode or schema)',
                       "response_format")
+
+
+def _choices(doc: dict[str, Any]) -> int:
+    n = _typed(doc, "n", int, "an integer")
+    if n is not None and n < 1:
+        raise _refuse(f'"n" must be at least 1, got {n}', "n")
+    return n or 1
+
+
+def _logprobs(doc: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives come with each token's log-probability; None: no log-probabilities asked."""
+    if not chat:
+        k = _typed(doc, "logprobs", int, f"an integer from 0 to {MAX_COMPLETION_LOGPROBS}")
+        if k is not None and not 0 <= k <= MAX_COMPLETION_LOGPROBS:
+            raise _refuse(f'"logprobs" must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {k}', "logprobs")
+        return k  # type: ignore[no-any-return]
+    wanted = bool(_typed(doc, "logprobs", bool, "true or false"))
+    top = _typed(doc, "top_logprobs", int, "an integer")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise _refuse(f'"top_logprobs" must be between 0 and {MAX_LOGPROBS}, got {top}', "top_logprobs")
+    if top and not wanted:
+        raise _refuse('"top_logprobs" needs "logprobs": true', "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def _prompts(prompt: Any, max_prompts: int) -> list[str]:
@@ -206,7 +238,7 @@ def render_chat(messages: list[dict[str, str]]) -> str:
     return "".join(CHAT_TEMPLATE.format(**m) for m in messages) + "assistant:"
 
 
-def _sampling(doc: dict[str, Any]) -> Sampling | None:
+def _sampling(doc: dict[str, Any], logprobs: int | None, echo: bool) -> Sampling | None:
     temperature = _typed(doc, "temperature", (int, float), "a number")
     top_p = _typed(doc, "top_p", (int, float), "a number")
     seed = _typed(doc, "seed", int, "an integer")
@@ -214,9 +246,10 @@ def _sampling(doc: dict[str, Any]) -> Sampling | None:
         raise _refuse(f'"temperature" must be between 0 and 2, got {temperature}', "temperature")
     if top_p is not None and not 0 < top_p <= 1:
         raise _refuse(f'"top_p" must be in (0, 1], got {top_p}', "top_p")
+    scores = {"logprobs": logprobs, "prompt_logprobs": logprobs if echo else None}
     if not temperature:  # greedy: top_p and seed change nothing
-        return None
-    return Sampling(temperature=float(temperature), top_p=float(1.0 if top_p is None else top_p), seed=seed)
+        return None if logprobs is None else Sampling(**scores)
+    return Sampling(temperature=float(temperature), top_p=float(1.0 if top_p is None else top_p), seed=seed, **scores)
 
 
 def _stops(stop: Any) -> tuple[str, ...]:
