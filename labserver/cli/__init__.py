@@ -3,7 +3,8 @@
 One module per group of commands, each adding its subcommands to the parser and
 calling the package to do the work: ``serve`` (one server until Ctrl-C), ``compare``
 (every strategy under the same load, and ``plot`` to redraw a results folder),
-``bench`` (one load run, and ``sweep`` for the highest rate that meets an SLO). The
+``bench`` (one load run, and ``sweep`` for the highest rate that meets an SLO),
+``tiny-model`` and ``prepare`` (model folders). The
 argument groups several commands share, and what they turn into (``Limits``, the
 load generator's options), are in ``args``. Nothing here decides anything the rooms
 below could: a new flag is a line in a group and a field where it is used.
@@ -31,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_sweep(sub)
     compare.add_plot(sub)
     folders.add_tiny_model(sub)
+    folders.add_prepare(sub)
     return parser
 
 

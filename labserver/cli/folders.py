@@ -1,14 +1,41 @@
-"""``labserver tiny-model``: write a tiny random-weight GPT-2, Llama, Qwen2, Qwen3 or Mistral folder, offline.
+"""Model folders from the command line: ``labserver tiny-model`` and ``labserver prepare``.
 
-The folder is ``labserver.models.folders``'s (transformers loads it as any model folder);
-this only parses the flags and says what was written and how to serve it.
+``tiny-model`` writes a tiny random-weight GPT-2, Llama, Qwen2, Qwen3 or Mistral folder,
+offline (``labserver.models.folders``; transformers loads it as any model folder).
+``prepare`` converts the embedded generator's GGUF into its cached folder now
+(``labserver.models.smollm2``), so the first server start need not: ``make install`` runs it.
+Both only parse flags and say what was written and how to serve it.
 """
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_tiny_model", "cmd_tiny_model"]
+__all__ = ["add_prepare", "add_tiny_model", "cmd_prepare", "cmd_tiny_model"]
+
+
+def add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prepare", help="convert the embedded generator (smollm2) to its cached folder now, once")
+    p.set_defaults(func=cmd_prepare)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from ..models import ModelLoadError
+    from ..models.smollm2 import CONVERSION_RECORD, NAME, folder
+
+    start = time.perf_counter()
+    try:
+        path = folder()
+    except ModelLoadError as e:
+        print(f"labserver: {e}")
+        return 1
+    record = json.loads((path / CONVERSION_RECORD).read_text())
+    print(f"{NAME}: {path} ({time.perf_counter() - start:.1f} s; converted {record['converted_at']} from "
+          f"{record['source']}, sha256 {record['source_sha256'][:12]}..., transformers {record['transformers']})")
+    return 0
 
 
 def add_tiny_model(sub: argparse._SubParsersAction) -> None:
