@@ -132,3 +132,80 @@ class SteppedGen:
     @property
     def cached(self) -> int:
         return self.inner.cached
+
+
+def generate_alone_served(model: Any, prompt: str, n: int, sampling: Any) -> Any:
+    """One sequence through a real step engine (``gen-continuous``) on its own loop: the finished ``Seq``."""
+    import asyncio
+
+    from labserver.engine import StepEngine
+    from labserver.strategies import Limits, make_strategy
+
+    async def run() -> Any:
+        engine = StepEngine(make_strategy("gen-continuous", Limits()), model)
+        engine.start()
+        try:
+            return await engine.submit(model.encode(prompt), n, ignore_eos=True, sampling=sampling).future
+        finally:
+            await engine.stop()
+
+    return asyncio.run(run())
+
+
+class ReplayStream:
+    """What Ray hands the ingress for one replica call: the events, in order (``cancel`` is a no-op)."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.events = iter(events)
+
+    def __aiter__(self) -> ReplayStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        import asyncio
+
+        await asyncio.sleep(0)  # (as a real stream does, an event arrives after a turn of the loop)
+        try:
+            return next(self.events)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def cancel(self) -> None:
+        pass
+
+
+class ReplayHandle:
+    """A stand-in for the replicas' ``DeploymentHandle``: every ``generate`` call replays the same events."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.events = events
+        self.jobs: list[dict[str, Any]] = []
+
+    def options(self, **_: Any) -> ReplayHandle:
+        return self
+
+    @property
+    def generate(self) -> ReplayHandle:
+        return self
+
+    def remote(self, job: dict[str, Any]) -> ReplayStream:
+        self.jobs.append(job)
+        return ReplayStream(self.events)
+
+
+def remote_answer(model: Any, handle: Any, prompt_ids: list[int], n: int, sampling: Any) -> Any:
+    """One sequence through the ingress's ``RemoteEngine`` over ``handle``: the answered ``Seq``."""
+    import asyncio
+
+    from labserver.replicas.remote import RemoteEngine
+    from labserver.strategies import Limits, make_strategy
+
+    async def run() -> Any:
+        ingress = RemoteEngine(make_strategy("gen-continuous", Limits()), model, handle, max_in_flight=4)
+        ingress.start()
+        try:
+            return await ingress.submit(prompt_ids, n, ignore_eos=True, sampling=sampling).future
+        finally:
+            await ingress.stop()
+
+    return asyncio.run(run())

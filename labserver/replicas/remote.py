@@ -143,12 +143,25 @@ async def _until(stream: Any, gone: asyncio.Future[Any]) -> Any:
     it = stream.__aiter__()
     while True:
         nxt = asyncio.ensure_future(it.__anext__())
-        await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the forwarding task is cancelled (the ingress stops): the next event is not read
+            _drop(nxt)
+            stream.cancel()
+            raise
         if not nxt.done():
-            nxt.cancel()
+            _drop(nxt)
             stream.cancel()
             return
         try:
             yield nxt.result()
         except StopAsyncIteration:
             return
+
+
+def _drop(task: asyncio.Future[Any]) -> None:
+    """A stream's next event that nobody will read: cancelled, or its outcome consumed (an error too, unlogged)."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()

@@ -1,0 +1,37 @@
+"""The ingress mirrors a replica's events into its own sequence: tokens, then log-probabilities, in order.
+
+No Ray here: the replica's events are replayed through a stand-in handle (``fakes.ReplayHandle``), so
+what crosses (``replicas.deploy._tokens`` on the replica, ``RemoteEngine`` at the ingress) is checked
+alone; ``test_replicas.py`` runs the real deployment.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .fakes import ReplayHandle, generate_alone_served, remote_answer
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")  # Ray's own
+
+
+def test_logprobs_cross_from_a_replica_to_the_ingress_in_order() -> None:
+    """A replica's events carry each token's log-probability (and echo's prompt ones) to the ingress's sequence."""
+    from labserver.models import Logprob, Sampling, load_model
+    from labserver.replicas.deploy import _tokens
+
+    model = load_model("gpt2-tiny-random", device="cpu")
+    scoring = Sampling(logprobs=2, prompt_logprobs=2)
+    made = generate_alone_served(model, "one two three", 5, scoring)  # what a replica's engine made
+    first = _tokens(made, 0)
+    events: list[dict[str, Any]] = [
+        {"replica": "r1"},
+        {"tokens": first["tokens"][:3], "logprobs": first["logprobs"][:3], "prompt_logprobs": made.prompt_logprobs},
+        {"tokens": made.tokens[3:], "logprobs": made.logprobs[3:]},
+        {"done": {"finish_reason": "length"}}]
+    seen = remote_answer(model, ReplayHandle(events), made.prompt_ids, 5, scoring)
+    assert seen.tokens == made.tokens and seen.logprobs == made.logprobs and len(seen.logprobs) == 5
+    assert seen.prompt_logprobs == made.prompt_logprobs and len(seen.prompt_logprobs) == len(made.prompt_ids) - 1
+    assert all(isinstance(e, Logprob) and len(e.top) == 2 for e in seen.logprobs)
