@@ -236,3 +236,19 @@ def test_preemption_prefix_cache_and_chunking_change_no_token(model: Any) -> Non
     for name, run in (("preempted", tight), ("prefix-cached", cached), ("chunked", chunked)):
         assert [s.tokens for s in run] == want, name
     assert model.cached == 0
+
+
+def test_the_readme_chat_example_prints_what_the_readme_shows() -> None:
+    """The README's chat example is run here; what it prints must be what the README says it prints."""
+    import contextlib
+    import io
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme[readme.index("<!-- readme-chat"):]
+    code, shown = (re.search(rf"```{kind}\n(.*?)```", block, re.S)[1]  # type: ignore[index]
+                   for kind in ("python", "text"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), {})
+    assert out.getvalue() == shown
