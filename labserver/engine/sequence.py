@@ -54,7 +54,8 @@ class Seq:
     replica: str = ""  # behind a router: the replica generating it (known by its first token)
     priority: int = 0  # its class: a lower value is served first (and may displace a higher one: scheduling)
     tenant: str = ""  # whose request: fair shares are kept per tenant
-    parent: Seq | None = field(default=None, repr=False)  # n > 1: the request's first choice, whose prompt blocks this one shares once computed
+    parent: Seq | None = field(default=None, repr=False)  # n > 1: the request's first choice (its prompt blocks
+    #   are shared with this one once computed)
     logprobs: list[Logprob] = field(default_factory=list)  # one per token, when its sampling asks (Sampling.logprobs)
     prompt_logprobs: list[Logprob] = field(default_factory=list)  # one per prompt token after the first (echo)
     _wake: asyncio.Future[None] | None = field(default=None, repr=False)

@@ -65,7 +65,8 @@ def gguf_path() -> Path:
 
 
 def cache_root() -> Path:
-    """Where converted models live: ``$LABSERVER_CACHE``, else ``$XDG_CACHE_HOME/labserver``, else ``~/.cache/labserver``."""
+    """Where converted models live: ``$LABSERVER_CACHE``, else ``$XDG_CACHE_HOME/labserver``, else
+    ``~/.cache/labserver``."""
     if os.environ.get("LABSERVER_CACHE"):
         return Path(os.environ["LABSERVER_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"

@@ -12,8 +12,12 @@ first token is an ordinary error with its status, in OpenAI's shape
 
 A failure after the first chunk ends the stream with ``data: {"error": {...}}`` and
 ``[DONE]``; a client that leaves mid-stream cancels its sequences, which the engine
-drops at the next step: the ending is ``/generate``'s (``labserver.server.streaming``). Text is built by ``openai.text.TextStream``
-(stop strings cut, nothing of one streamed). Request fields: ``openai.params``.
+drops at the next step: the ending is ``/generate``'s (``labserver.server.streaming``).
+Text is built by ``openai.text.TextStream`` (stop strings cut, nothing of one streamed).
+Each prompt gets ``n`` sequences (choice ``i * n + j``), the later ones submitted with the
+first as their ``parent`` so they share its computed prompt blocks; each choice's
+log-probabilities go out once each, in OpenAI's shape (``openai.logprobs``). Request
+fields: ``openai.params``.
 """
 
 from __future__ import annotations
