@@ -96,6 +96,22 @@ def test_without_prefix_caching_nothing_is_shared() -> None:
     assert m.cached == 0
 
 
+def test_a_fork_shares_the_whole_computed_blocks_without_a_cache() -> None:
+    m = BlockManager(8, B)  # no prefix cache: only a fork shares
+    m.start(1, list(range(10)))
+    m.grow(1, 11)  # a prompt of 10 and its next token: 3 blocks
+    assert m.fork(2, 1, 9) == 8 and m.tables[2] == m.tables[1][:2]  # positions 0-7: two whole blocks
+    assert [m.refs[b] for b in m.tables[1]] == [2, 2, 1]
+    assert m.grow(2, 11) and m.tables[2][2] != m.tables[1][2]  # its own third block
+    m.check()
+    m.release(1)  # the first choice finishes first: the shared blocks stay, held by the second
+    assert (m.used, m.free) == (3, 5)
+    m.check()
+    m.release(2)
+    assert (m.used, m.free, m.cached) == (0, 8, 0)
+    m.check()
+
+
 def test_bad_pools_and_a_second_table_are_refused() -> None:
     with pytest.raises(ValueError):
         BlockManager(0, B)
@@ -157,6 +173,22 @@ class Sequences(RuleBasedStateMachine):
         else:  # no block for it: preempted, as the paged strategy does
             self.m.release(owner)
             del self.seqs[owner], self.done[owner]
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), rest=st.lists(st.integers(1, 3), min_size=1, max_size=6))
+    def fork(self, data: st.DataObject, rest: list[int]) -> None:
+        """Another choice of a running sequence's first ``k`` tokens (n > 1): its whole computed blocks shared."""
+        parent = data.draw(st.sampled_from(sorted(self.seqs)))
+        k = data.draw(st.integers(1, self.done[parent]))
+        tokens, owner = self.seqs[parent][:k] + rest, self.next_owner
+        self.next_owner += 1
+        shared = self.m.fork(owner, parent, k - 1)
+        assert shared == (k - 1) // B * B and self.m.tables[owner] == self.m.tables[parent][:shared // B]
+        if not self.m.grow(owner, len(tokens)):
+            self.m.release(owner)
+            return
+        self.seqs[owner], self.done[owner] = tokens, shared
+        self.write(owner, len(tokens))  # only what follows the shared blocks is computed
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())

@@ -219,3 +219,32 @@ def test_chunked_prefill_needs_a_rule_that_joins_every_step() -> None:
         StepEngine(make_strategy("gen-static", Limits(prefill="chunked")), SyntheticGen(0, 0))
     with pytest.raises(ValueError, match="max_step_tokens"):
         Limits(prefill="chunked", max_batch_size=32, max_step_tokens=32)
+
+
+@pytest.mark.parametrize("strategy, shares", [("gen-continuous", True), ("gen-static", False)])
+def test_n_choices_share_the_first_ones_computed_prompt_blocks(strategy: str, shares: bool) -> None:
+    """Choices 2..n of one prompt wait a step, then start with the first's whole prompt blocks (a fork) and compute
+    only the rest; a static batch, which nobody joins mid-way, computes each choice's prompt beside the others."""
+    async def main() -> tuple[Seq, list[Seq], dict[str, Any], list[dict[str, Any]], Any]:
+        e = StepEngine(make_strategy(strategy, Limits(max_batch_size=8, kv_block_tokens=4)), SyntheticGen(0, 0))
+        e.start()
+        try:
+            ids = list(range(1, 12))  # 11 prompt tokens: two whole blocks before the last one
+            first = e.submit(ids, 5, ignore_eos=True)
+            others = [e.submit(ids, 5, ignore_eos=True, parent=first) for _ in range(3)]
+            await asyncio.gather(*(s.future for s in (first, *others)))
+            return first, others, e.stats(), e.step_log(), e.blocks
+        finally:
+            await e.stop()
+
+    first, others, stats, steps, blocks = asyncio.run(main())
+    assert all(o.tokens == first.tokens for o in others)  # greedy: the same answer, however it was computed
+    prefilled = [s for s in steps if s["prefilling"]]
+    if shares:
+        assert stats["shared_tokens"] == 3 * 8 and stats["cached_tokens"] == 0
+        assert prefilled[0]["prefilling"] == (first.sid,) and prefilled[0]["tokens"] == 11  # the first, alone
+        assert sum(s["tokens"] for s in prefilled[1:]) == 3 * 3  # then 3 tokens each: 8 shared of 11
+    else:
+        assert stats["shared_tokens"] == 0 and prefilled[0]["tokens"] == 4 * 11
+    blocks.check()
+    assert stats["kv_blocks"]["used"] == 0

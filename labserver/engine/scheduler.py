@@ -70,7 +70,8 @@ class StepCounters(GenCounters):
     recomputed_tokens: int = count("Tokens prefilled again after a preemption")
     prompt_tokens: int = count("Prompt tokens of admitted sequences (first admission)")
     cached_tokens: int = count("Of those, tokens whose KV the prefix cache held (not computed)")
-    shared_tokens: int = count("Of those, tokens a choice shared with its request's first choice (n > 1; not computed)")
+    shared_tokens: int = count("Of those, tokens a choice shared with its request's first choice (n > 1; not "
+                               "computed)")
 
 
 @dataclass
@@ -176,25 +177,27 @@ class Scheduler:
 
     def _after_parents(self, joining: list[Seq]) -> list[Seq]:
         """A choice (n > 1) whose first choice is running with its prompt not yet computed waits a step (back to
-        the head of the queue), to share those blocks instead of computing the same prompt beside them."""
+        the head of the queue), to share those blocks instead of computing the same prompt beside them; only under
+        a rule that lets it join at the next step (``joins_running``: a static batch would hold it for a whole
+        batch)."""
+        if not self.strategy.joins_running:
+            return joining
         running = set(self.running.seqs) | set(joining)
         wait = [s for s in joining if s.parent in running and s.parent.computed < len(s.parent.prompt_ids)]
         for seq in reversed(wait):
             self.queue.putback(seq)
         return [s for s in joining if s not in wait] if wait else joining
 
-    def _start(self, seq: Seq) -> int:
-        """A new block table: shared with its first choice (n > 1) if that one still holds its computed prompt, else
-        the prefix cache's hits (none for a prompt still to be scored: its every position is computed)."""
+    def _start(self, seq: Seq) -> tuple[int, bool]:
+        """A new block table: (tokens it already holds, whether they are its first choice's). Shared with its first
+        choice (n > 1) when that one holds its computed prompt, else the prefix cache's hits (none for a prompt still
+        to be scored: its every position is computed)."""
         parent = seq.parent
         if parent is not None and parent.sid in self.blocks.tables and parent.computed >= len(parent.prompt_ids):
-            shared = self.blocks.fork(seq.sid, parent.sid, min(len(seq.prompt_ids), parent.computed) - 1)
             if seq.wants_prompt_scores:  # (the same prompt: the first choice scored it)
                 seq.prompt_logprobs[:] = parent.prompt_logprobs
-            if math.isnan(seq.admitted_s):
-                self.counters.shared_tokens += shared
-            return shared
-        return self.blocks.start(seq.sid, () if seq.wants_prompt_scores else seq.context)
+            return self.blocks.fork(seq.sid, parent.sid, len(seq.prompt_ids) - 1), True
+        return self.blocks.start(seq.sid, () if seq.wants_prompt_scores else seq.context), False
 
     def _give_blocks(self, seqs: list[Seq], now: float) -> list[Seq]:
         """The admitted get their block tables: shared or cached blocks (``_start``), then blocks for the rest and
@@ -203,8 +206,9 @@ class Scheduler:
         The strategy admitted them because these blocks are available; should one still not
         fit, it and those after it go back to the head of the queue, in order.
         """
+        c = self.counters
         for i, seq in enumerate(seqs):
-            hit = self._start(seq)
+            hit, forked = self._start(seq)
             if not self.blocks.grow(seq.sid, seq.kv_tokens + 1):
                 self.blocks.release(seq.sid)
                 for back in reversed(seqs[i:]):
@@ -213,14 +217,16 @@ class Scheduler:
             seq.computed, seq.seen = hit, False
             if math.isnan(seq.admitted_s):  # its first admission (a preempted one keeps its first times)
                 seq.admitted_s = now
-                self.counters.prompt_tokens += len(seq.prompt_ids)
-                if seq.parent is None or seq.parent.sid not in self.blocks.tables:  # (a fork's hit is not a cache's)
+                c.prompt_tokens += len(seq.prompt_ids)
+                if forked:
+                    c.shared_tokens += hit
+                else:
                     seq.cached_tokens = hit
-                    self.counters.cached_tokens += hit
+                    c.cached_tokens += hit
             else:
-                self.counters.recomputed_tokens += seq.pending
+                c.recomputed_tokens += seq.pending
             if seq.deadline_s < now:  # live() used the same reading: impossible, counted anyway
-                self.counters.computed_after_deadline += 1
+                c.computed_after_deadline += 1
         return seqs
 
     def _make_room(self, work: Work) -> list[Seq]:

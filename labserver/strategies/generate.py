@@ -70,6 +70,7 @@ class GenStrategy(Strategy):
     kind = "generate"
     offload = True  # every generation strategy keeps the model off the event loop
     prefills: ClassVar[tuple[str, ...]] = ("eager", "budget")  # the Limits.prefill modes its rules compose
+    joins_running: ClassVar[bool] = False  # admits beside running sequences at any step boundary (continuous)
 
     def __init__(self, limits: Limits | None = None) -> None:
         super().__init__(limits)
@@ -180,6 +181,7 @@ class GenContinuous(GenStrategy):
 
     name = "gen-continuous"
     prefills = ("eager", "budget", "chunked")
+    joins_running = True
 
     async def admit(self, queue: Queue, running: Running, clock: Clock) -> Admission:
         if not len(running):
