@@ -189,3 +189,25 @@ def test_foldercheck_compares_every_family_with_transformers(tmp_path: Path) -> 
     strict = subprocess.run([*script, "--atol", "0"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                             check=False)
     assert strict.returncode == 1 and "FAIL" in strict.stdout  # a difference it cannot tolerate fails the row
+
+
+def test_realmodel_smoke_measures_every_part(tmp_path: Path) -> None:
+    """gpt2-tiny-random for labserver's parts (the same code path as smollm2); llama-server when it is built."""
+    out = tmp_path / "realmodel.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "realmodel.py"), "--smoke", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    numbers = json.loads(out.read_text())
+    targets = [r["target"] for r in numbers["rows"]]
+    for prefix in ("1 served/offline tokens/s", "2 served decode call of 4", "3 labserver / llama-server output "
+                   "tokens/s, 1 streams", "3 labserver / llama-server TTFT p50, 4 streams", "4 labserver tokens/s"):
+        assert any(t.startswith(prefix) for t in targets), (prefix, targets)
+    assert all(r["target"] in run.stdout and r["result"] in ("PASS", "FAIL", "INFO", "SKIP") for r in numbers["rows"])
+    peer_built = "error" not in numbers["peer"]
+    assert peer_built or "SKIP llama-server" in run.stderr
+    for n in ("1", "4"):
+        (r,) = numbers["streams"][n]
+        assert r["labserver"]["tps"] > 0 and r["labserver"]["tokens_client"] == r["labserver"]["tokens_server"]
+        assert ("llama-server" in r) == peer_built
+    assert numbers["served_offline"][0]["served"]["tps"] > 0 and numbers["dense"]["step_ms"] > 0
+    assert out.with_suffix(".txt").read_text().startswith("$ python ")
