@@ -5,8 +5,6 @@ its decode step against transformers', and labserver beside llama.cpp's own serv
                                                                       #   llama-server the first time)
     python benchmarks/realmodel.py --smoke --out /tmp/realmodel.json  # smoke: gpt2-tiny-random, ~1 min
 
-Wrap it in the machine's CPU lock when others share it: ``flock -x /tmp/labserver-cpu.lock ...``.
-
 Every other benchmark here runs GPT-2-shaped random weights; this one asks whether what they
 found holds on the real model labserver serves by default, and how far a Python server on
 PyTorch float32 is from the C++ server people run small models with on a CPU.
