@@ -163,6 +163,10 @@ def test_answer_without_usage_done_or_with_an_error() -> None:
     assert read(one).outcome(2.0)[0] == "stream_incomplete"
     broken = read(one + _data({"error": {"message": "boom"}}) + b"data: [DONE]\n\n")
     assert broken.outcome(2.0)[0] == "stream_error" and broken.error == {"message": "boom"}
+    only_eos = read(_data({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                    + _data({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+                    + _data({"choices": [], "usage": {"completion_tokens": 1}}) + b"data: [DONE]\n\n")
+    assert only_eos.outcome(2.0)[:3:2] == ("", 1) and only_eos.token_s == []  # an answer that is only its EOS
     plain = OpenAIAnswer()
     plain.begin(200, {"content-type": "application/json"})
     plain.feed(orjson.dumps({"choices": [{"text": "abc", "finish_reason": "length"}],

@@ -141,8 +141,8 @@ class OpenAIAnswer:
     def token_s(self) -> list[float]:
         """One client-clock time per output token of a stream (see the module docstring)."""
         n = self.completion_tokens()
-        if n is None or n <= len(self.chunk_s):
-            return list(self.chunk_s)
+        if n is None or n <= len(self.chunk_s) or not self.chunk_s:  # (no chunk with text: an answer that is
+            return list(self.chunk_s)  # only EOS has a token but no time to give it)
         return [t for t, k in zip(self.chunk_s, spread(n, self.chunk_chars)) for _ in range(k)]
 
     def timing(self) -> dict[str, Any]:

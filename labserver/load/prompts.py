@@ -17,7 +17,9 @@ cache (or its absence) shows on.
 
 ``Questions`` are the other kind: real questions, for a real model (``smollm2``) to
 answer as it sees fit, from one-word facts to short essays, so its answer lengths are its
-own (what the EOS stand-in of the random-weight models only imitates).
+own (what the EOS stand-in of the random-weight models only imitates). ``QUESTION_KINDS``
+groups them by the answer each kind calls for (facts, lists, explanations, writing,
+advice); a ``Mix`` of one ``Flow`` per kind labels each answer with its kind.
 
 A payload source like ``WordTexts``: ``take(n, rng)`` gives n texts; it sends nothing.
 """
@@ -33,37 +35,43 @@ import numpy as np
 from .arrivals import WORDS
 from .lengths import Lengths, LengthsLike, make_lengths
 
-__all__ = ["QUESTIONS", "Questions", "TokenPrompts"]
+__all__ = ["QUESTIONS", "QUESTION_KINDS", "Questions", "TokenPrompts"]
 
-QUESTIONS = (  # what people ask a small chat model: facts, lists, explanations, writing; short and long answers
-    "What is the capital of France?", "How many days are in a leap year?", "What is 12 times 12?",
-    "Who wrote Romeo and Juliet?", "What is the chemical symbol for gold?", "How many continents are there?",
-    "What colour do you get by mixing blue and yellow?", "What is the largest ocean on Earth?",
-    "What is the boiling point of water in Celsius?", "Which planet is known as the red planet?",
-    "Translate 'thank you' into Spanish.", "Give me a synonym for 'quick'.", "What is the square root of 81?",
-    "In which year did the first person walk on the Moon?", "What language is spoken in Brazil?",
-    "Name three primary colours.", "List four kinds of fruit.", "Name the planets of the solar system.",
-    "List five animals that live in the ocean.", "What are the three states of matter?",
-    "Give three tips for sleeping better.", "List the days of the week.", "Name three famous painters.",
-    "What are the main ingredients of bread?", "Give me four ideas for a rainy afternoon.",
-    "Why is the sky blue?", "What is photosynthesis?", "How does a rainbow form?", "What is gravity?",
-    "Explain what a computer virus is.", "Why do we have seasons?", "What does a doctor do?",
-    "How do bees make honey?", "What is the difference between weather and climate?",
-    "Explain how a bicycle works.", "What is machine learning?", "Why do cats purr?",
-    "How does the internet work, in simple terms?", "What causes thunder?", "What is a black hole?",
-    "Write a haiku about the sea.", "Write a short poem about autumn leaves.",
-    "Write a two-sentence story about a lost key.", "Describe a sunset in a few sentences.",
-    "Write a short thank-you note to a teacher.", "Write a limerick about a cat.",
-    "Describe your ideal weekend.", "Write a short story about a robot who learns to paint.",
-    "Write a paragraph about the importance of friendship.", "Describe a busy city street.",
-    "How do I boil an egg?", "How can I save money on groceries?", "How do I make a cup of tea?",
-    "What should I pack for a day at the beach?", "How can I learn a new language faster?",
-    "What are the benefits of regular exercise?", "How do I plant a tomato seedling?",
-    "What is a good way to start a presentation?", "How do I write a good email?",
-    "Is it better to read books or watch films?", "What makes a good friend?",
-    "Should I learn to play the piano or the guitar?", "What is your favourite season and why?",
-    "Say hello in three languages.",
-)
+QUESTION_KINDS: dict[str, tuple[str, ...]] = {  # what people ask a small chat model, by the answer it calls for
+    "facts": (
+        "What is the capital of France?", "How many days are in a leap year?", "What is 12 times 12?",
+        "Who wrote Romeo and Juliet?", "What is the chemical symbol for gold?", "How many continents are there?",
+        "What colour do you get by mixing blue and yellow?", "What is the largest ocean on Earth?",
+        "What is the boiling point of water in Celsius?", "Which planet is known as the red planet?",
+        "Translate 'thank you' into Spanish.", "Give me a synonym for 'quick'.", "What is the square root of 81?",
+        "In which year did the first person walk on the Moon?", "What language is spoken in Brazil?"),
+    "lists": (
+        "Name three primary colours.", "List four kinds of fruit.", "Name the planets of the solar system.",
+        "List five animals that live in the ocean.", "What are the three states of matter?",
+        "Give three tips for sleeping better.", "List the days of the week.", "Name three famous painters.",
+        "What are the main ingredients of bread?", "Give me four ideas for a rainy afternoon."),
+    "explanations": (
+        "Why is the sky blue?", "What is photosynthesis?", "How does a rainbow form?", "What is gravity?",
+        "Explain what a computer virus is.", "Why do we have seasons?", "What does a doctor do?",
+        "How do bees make honey?", "What is the difference between weather and climate?",
+        "Explain how a bicycle works.", "What is machine learning?", "Why do cats purr?",
+        "How does the internet work, in simple terms?", "What causes thunder?", "What is a black hole?"),
+    "writing": (
+        "Write a haiku about the sea.", "Write a short poem about autumn leaves.",
+        "Write a two-sentence story about a lost key.", "Describe a sunset in a few sentences.",
+        "Write a short thank-you note to a teacher.", "Write a limerick about a cat.",
+        "Describe your ideal weekend.", "Write a short story about a robot who learns to paint.",
+        "Write a paragraph about the importance of friendship.", "Describe a busy city street."),
+    "advice": (
+        "How do I boil an egg?", "How can I save money on groceries?", "How do I make a cup of tea?",
+        "What should I pack for a day at the beach?", "How can I learn a new language faster?",
+        "What are the benefits of regular exercise?", "How do I plant a tomato seedling?",
+        "What is a good way to start a presentation?", "How do I write a good email?",
+        "Is it better to read books or watch films?", "What makes a good friend?",
+        "Should I learn to play the piano or the guitar?", "What is your favourite season and why?",
+        "Say hello in three languages."),
+}
+QUESTIONS = tuple(q for kind in QUESTION_KINDS.values() for q in kind)
 
 
 @dataclass(frozen=True, eq=False)
