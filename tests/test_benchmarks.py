@@ -211,3 +211,13 @@ def test_realmodel_smoke_measures_every_part(tmp_path: Path) -> None:
         assert ("llama-server" in r) == peer_built
     assert numbers["served_offline"][0]["served"]["tps"] > 0 and numbers["dense"]["step_ms"] > 0
     assert out.with_suffix(".txt").read_text().startswith("$ python ")
+
+
+def test_stopperf_smoke_times_every_length_and_the_rule_it_replaced(tmp_path: Path) -> None:
+    out = tmp_path / "stopperf.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stopperf.py"), "--smoke", "--rounds", "1",
+                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fig = json.loads(out.read_text())["figures_us"]
+    assert set(fig) == {"long_16", "short_16", "mid_16", "mid_0", "old_16", "old_short_16"}
+    assert run.stdout.count("| per token,") == 3 and run.stdout.count("PASS") + run.stdout.count("FAIL") == 2

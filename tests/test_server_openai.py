@@ -21,6 +21,7 @@ from labserver import wire
 from labserver.models import SyntheticGen
 from labserver.server.handling import ClientError
 from labserver.server.openai.params import parse_request, render_chat
+from labserver.engine.output import Detokenizer
 from labserver.server.openai.text import TextStream
 
 from .fakes import SteppedGen
@@ -285,13 +286,25 @@ def wordpiece(tokens: list[int]) -> str:
     return " ".join(words)
 
 
+def _streamed(decode: Any, tokens: list[int], stop: tuple[str, ...] = (), finish: bool = True) -> list[str]:
+    """What a TextStream sends as a sequence's text takes each token in turn (the last push: finished)."""
+    out = Detokenizer(decode, stop)
+    stream = TextStream(out)
+    pieces = []
+    for token in tokens:
+        out.push(token)
+        pieces.append(stream.push(False))
+    if finish:
+        out.finish()
+        pieces.append(stream.push(True))
+    return pieces
+
+
 def test_text_stream_joins_pieces_like_a_whole_decode() -> None:
     tokens = [5, 1, 7, 0, 8, 1, 1, 9]
-    stream = TextStream(wordpiece)
-    pieces = [stream.push(tokens[:k], k == len(tokens)) for k in range(1, len(tokens) + 1)]
+    pieces = _streamed(wordpiece, tokens)
     assert "".join(pieces) == wordpiece(tokens) == "w5ly w7 w8lyly w9"
     assert pieces[0] == "w5" and pieces[1] == "ly" and pieces[3] == ""  # the special token adds nothing
-    assert TextStream(wordpiece).push(tokens, True) == wordpiece(tokens)  # all at once: the same
 
 
 def test_text_stream_holds_half_a_character_and_sends_it_at_the_end() -> None:
@@ -300,19 +313,14 @@ def test_text_stream_holds_half_a_character_and_sends_it_at_the_end() -> None:
     def bytes_level(tokens: list[int]) -> str:
         return b"".join(raw[t] for t in tokens).decode("utf-8", errors="replace")
 
-    stream = TextStream(bytes_level)
-    assert [stream.push([1, 2, 3, 4][:k], False) for k in range(1, 5)] == ["caf", "", "\u00e9", "!"]
-    ends_mid = TextStream(bytes_level)
-    assert ends_mid.push([1, 2], False) == "caf"
-    assert ends_mid.push([1, 2], True) == "\ufffd"  # the answer ends mid-character: nothing is dropped
+    assert _streamed(bytes_level, [1, 2, 3, 4], finish=False) == ["caf", "", "\u00e9", "!"]
+    assert _streamed(bytes_level, [1, 2]) == ["caf", "", "\ufffd"]  # it ends mid-character: nothing is dropped
 
 
 def test_text_stream_never_sends_part_of_a_stop_string() -> None:
-    tokens = [5, 6, 7, 8, 9]
-    stream = TextStream(wordpiece, stop=["w7 w8"])
-    sent = [stream.push(tokens[:k], False) for k in range(1, 6)]
-    assert "".join(sent) + stream.push(tokens, True) == "w5 w6 "
-    assert stream.stopped and all("w7" not in s for s in sent)
+    sent = _streamed(wordpiece, [5, 6, 7, 8, 9], stop=("w7 w8",))
+    assert "".join(sent) == "w5 w6 "
+    assert all("w7" not in s for s in sent)
 
 
 def test_parse_request_alone() -> None:

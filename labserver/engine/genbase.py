@@ -19,6 +19,7 @@ from typing import Any
 from ..models import GREEDY, GenModel, InputRejected, ModelLoadError, Sampling
 from .base import Counters, EngineBase, ShuttingDown
 from .counters import Metric, count, gauge, tally
+from .output import Detokenizer
 from .sequence import Seq
 
 __all__ = ["GenCounters", "GenEngine", "kv_budget_tokens"]
@@ -103,7 +104,8 @@ class GenEngine(EngineBase):
         seed = hash((tuple(prompt_ids), sampling.seed if sampling else None))  # its EOS stand-in: per request
         seq = Seq(next(self._sids), prompt_ids, max_new_tokens, asyncio.get_running_loop().create_future(), now,
                   self.deadline_s(now), ignore_eos, request_id, sampling, tuple(stop), min_tokens,
-                  eos_prob=self.limits.eos_prob, eos_seed=seed, priority=priority, tenant=tenant, parent=parent)
+                  eos_prob=self.limits.eos_prob, eos_seed=seed, priority=priority, tenant=tenant, parent=parent,
+                  output=Detokenizer(self.model.text, stop))
         self.queue.put([seq])
         return seq
 

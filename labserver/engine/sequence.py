@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..models import Sampling
 from ..models.base import Logprob, position_seed
+from .output import Detokenizer
 
 __all__ = ["Seq"]
 
@@ -58,6 +59,8 @@ class Seq:
     #   are shared with this one once computed)
     logprobs: list[Logprob] = field(default_factory=list)  # one per token, when its sampling asks (Sampling.logprobs)
     prompt_logprobs: list[Logprob] = field(default_factory=list)  # one per prompt token after the first (echo)
+    output: Detokenizer | None = field(default=None, repr=False)  # its text as it comes, stop strings found there
+    #   (None: nobody reads its text, e.g. on a virtual clock)
     _wake: asyncio.Future[None] | None = field(default=None, repr=False)
 
     @property
@@ -103,14 +106,14 @@ class Seq:
         s = self.sampling
         return s is not None and s.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
-    def emit(self, token: int, now: float, eos_id: int | None, text: Callable[[list[int]], str] | None = None,
-             eos_ids: Collection[int] = (), logprob: Logprob | None = None) -> None:
+    def emit(self, token: int, now: float, eos_id: int | None, eos_ids: Collection[int] = (),
+             logprob: Logprob | None = None) -> None:
         """Append a token; finish on a stop string, max_new_tokens or EOS; wake whoever streams it.
 
         ``logprob``: the model's for the token it chose (kept when its sampling asks for them;
         NaN for a token the EOS stand-in put in its place).
         ``eos_ids``: further tokens that end it as EOS does (a model whose config lists several).
-        ``text`` (the model's detokenizer) is read only for a sequence with stop strings. With
+        The token's text goes to ``output`` (decoded once, where stop strings are found). With
         ``eos_prob``, the token becomes EOS with that probability, drawn per position: a trained
         model's end of answer, which nobody can know in advance (random weights never choose it).
         """
@@ -124,7 +127,7 @@ class Seq:
         self.tokens.append(token)
         if logprob is not None:
             self.logprobs.append(logprob if logprob.token == token else Logprob(token, math.nan))
-        if self.stop and text is not None and any(s in text(self.tokens) for s in self.stop):
+        if self.output is not None and self.output.push(token):
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
@@ -132,6 +135,8 @@ class Seq:
             self.finish_reason = "eos"
         if self.finished:
             self.finished_s = now
+            if self.output is not None:
+                self.output.finish()
         self.wake()
 
     def wake(self) -> None:

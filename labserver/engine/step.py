@@ -120,7 +120,7 @@ class StepEngine(GenEngine):
             await self.call(self.model.release, released)
 
     def _emit(self, seq: Seq, token: int, now: float, logprob: Logprob | None = None) -> None:
-        seq.emit(token, now, self.model.eos_id, self.model.text, self._eos_ids, logprob)
+        seq.emit(token, now, self.model.eos_id, self._eos_ids, logprob)
 
     # -- what /stats shows ------------------------------------------------------------------
     def metrics(self) -> list[Metric]:

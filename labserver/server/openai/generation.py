@@ -13,7 +13,8 @@ first token is an ordinary error with its status, in OpenAI's shape
 A failure after the first chunk ends the stream with ``data: {"error": {...}}`` and
 ``[DONE]``; a client that leaves mid-stream cancels its sequences, which the engine
 drops at the next step: the ending is ``/generate``'s (``labserver.server.streaming``).
-Text is built by ``openai.text.TextStream`` (stop strings cut, nothing of one streamed).
+Text is each sequence's own (``Seq.output``: decoded once, stop strings cut), sent through
+``openai.text.TextStream`` (nothing of a stop string streamed).
 Each prompt gets ``n`` sequences (choice ``i * n + j``), the later ones submitted with the
 first as their ``parent`` so they share its computed prompt blocks; each choice's
 log-probabilities go out once each, in OpenAI's shape (``openai.logprobs``). Request
@@ -179,8 +180,8 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
         await wait_all(request, seq)
     choices = []
     for i, (seq, prompt) in enumerate(zip(seqs, texts, strict=True)):
-        text = TextStream(model.text, req.stop)
-        piece = text.push(seq.tokens, True)
+        text = _text(seq)
+        piece = text.push(True)
         reason = finish_reason(seq, text)
         scores = _Scores(reply, model, seq, prompt).pending()
         if chat:
@@ -188,7 +189,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
                             "logprobs": scores, "finish_reason": reason})
         else:
             choices.append(reply.choice(i, prompt + piece if req.echo else piece, reason, logprobs=scores,
-                                        stop_reason=_stop_reason(seq, text, req)))
+                                        stop_reason=_stop_reason(text)))
     now = time.perf_counter()
     rt.answered(now - t0)
     return FastJSON({**reply.head(False), "choices": choices, "usage": usage(seqs)},
@@ -202,11 +203,14 @@ def choice_sampling(sampling: Sampling | None, j: int) -> Sampling | None:
     return replace(sampling, seed=sampling.seed + j)
 
 
-def _stop_reason(seq: Seq, text: TextStream, req: GenRequest) -> str | None:
+def _text(seq: Seq) -> TextStream:
+    assert seq.output is not None  # (every engine's submit gives one)
+    return TextStream(seq.output)
+
+
+def _stop_reason(text: TextStream) -> str | None:
     """vLLM's ``stop_reason``: the stop string that ended it, if one did."""
-    if not (text.stopped or seq.finish_reason == "stop"):
-        return None
-    return next((s for s in req.stop if s in text.decode(seq.tokens)), None)
+    return text.output.stop_string
 
 
 class _Chunks:
@@ -214,7 +218,7 @@ class _Chunks:
 
     def __init__(self, reply: _Reply, seqs: list[Seq], prompts: list[str], model: GenModel) -> None:
         self.reply, self.seqs = reply, seqs
-        self.texts = [TextStream(model.text, reply.req.stop) for _ in seqs]
+        self.texts = [_text(seq) for seq in seqs]
         self.scores = [_Scores(reply, model, seq, prompt) for seq, prompt in zip(seqs, prompts, strict=True)]
         self.echo = list(prompts) if reply.req.echo else [""] * len(seqs)  # sent before a choice's first text
         self.open_ = set(range(len(seqs)))  # choices not yet finished
@@ -225,17 +229,14 @@ class _Chunks:
         for i in sorted(self.open_):
             seq, text = self.seqs[i], self.texts[i]
             ended = seq.future.done() and not seq.future.cancelled() and seq.future.exception() is None
-            piece = text.push(seq.tokens, ended)
-            if text.stopped and not ended:
-                seq.future.cancel()  # the text shows a stop string: this one is done, free its place
-                ended = True
+            piece = text.push(ended)
             reason = finish_reason(seq, text) if ended else None
             scores = self.scores[i].pending()
             if self.echo[i]:
                 piece, self.echo[i] = self.echo[i] + piece, ""
             if piece or reason or scores or (self.first and req.chat):
                 choices.append(self.reply.choice(i, piece, reason, first=self.first, logprobs=scores,
-                                                 stop_reason=_stop_reason(seq, text, req) if reason else None))
+                                                 stop_reason=_stop_reason(text) if reason else None))
             if ended:
                 self.open_.discard(i)
         if not choices:
