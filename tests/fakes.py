@@ -37,6 +37,9 @@ class GateModel:
     def check(self, text: str) -> None:
         pass
 
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return [0] * len(texts)
+
 
 class Crash(BaseException):
     """Not an Exception: kills whatever runs the model (as a hard fault would)."""
@@ -53,6 +56,9 @@ class CrashModel:
 
     def check(self, text: str) -> None:
         pass
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return [0] * len(texts)
 
 
 class CallLog:
@@ -93,6 +99,8 @@ class SteppedGen:
         self.permits = threading.Semaphore(0)
         self.entered = threading.Semaphore(0)
         self.name, self.note, self.eos_id, self.max_context = "stepped", None, 0, 4096
+        self.eos_ids, self.kv_bytes_per_token, self.paged, self.scores = (0,), 0, True, False
+        self.tokenizer = None
         self.calls: list[tuple[str, tuple[int, ...]]] = []
 
     def allow(self, steps: int = 1) -> None:
@@ -111,6 +119,9 @@ class SteppedGen:
 
     def text(self, tokens: list[int]) -> str:
         return self.inner.text(tokens)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.inner.token_bytes(token)
 
     def allocate_kv(self, blocks: int, block_tokens: int) -> None:
         self.inner.allocate_kv(blocks, block_tokens)

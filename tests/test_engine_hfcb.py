@@ -102,7 +102,7 @@ def test_eos_ends_a_request_unless_ignored(gen: GPT2Gen) -> None:
     ids = gen.encode("where does this one stop")
     reference = greedy(gen, ids, 12)
     eos = reference[5]  # pretend the 6th greedy token is EOS
-    with_eos = SimpleNamespace(hf_model=gen.hf_model, eos_id=eos, max_context=gen.max_context)
+    with_eos = SimpleNamespace(hf_model=gen.hf_model, eos_id=eos, eos_ids=(eos,), max_context=gen.max_context)
     m = HFManager(with_eos, max_running=4, max_kv_tokens=2048)  # type: ignore[arg-type]
     m.start()
     try:

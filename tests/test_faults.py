@@ -57,6 +57,9 @@ class FaultyModel:
     def check(self, text: str) -> None:
         pass
 
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return [0] * len(texts)
+
 
 class StepModel:
     """Each call announces its texts on ``calls`` and waits for one ``release``."""
@@ -78,6 +81,9 @@ class StepModel:
 
     def check(self, text: str) -> None:
         pass
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return [0] * len(texts)
 
 
 def post_all(url: str, texts: list[str], path: str = "/") -> list[httpx.Response]:
@@ -246,12 +252,13 @@ def test_inline_strategies_answer_between_batches(strategy: str) -> None:
     answered: list[str] = []
     seen_by_model: list[list[str]] = []
 
-    def model(texts: list[str]) -> list[Any]:
-        seen_by_model.append(list(answered))
-        return [{"text": t} for t in texts]
+    class Model(FaultyModel):
+        def __call__(self, texts: list[str]) -> list[Any]:
+            seen_by_model.append(list(answered))
+            return [{"text": t} for t in texts]
 
     async def main() -> None:
-        e = BatchEngine(make_strategy(strategy, Limits(max_batch_size=1)), model)
+        e = BatchEngine(make_strategy(strategy, Limits(max_batch_size=1)), Model())
         e.start()
         items = e.submit(["a", "b", "c"])
 
@@ -272,11 +279,14 @@ def test_inline_retries_after_a_failure_let_the_loop_run(strategy: str) -> None:
     ticks = 0
     ticks_at_call: list[int] = []
 
-    def model(texts: list[str]) -> list[Any]:
-        ticks_at_call.append(ticks)
-        if any(POISON in t for t in texts):
-            raise ModelError("poisoned")
-        return [{"text": t} for t in texts]
+    class Model(FaultyModel):
+        def __call__(self, texts: list[str]) -> list[Any]:
+            ticks_at_call.append(ticks)
+            if any(POISON in t for t in texts):
+                raise ModelError("poisoned")
+            return [{"text": t} for t in texts]
+
+    model = Model()
 
     async def main() -> list[Any]:
         nonlocal ticks

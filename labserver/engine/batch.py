@@ -21,10 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..models import Model
 from ..strategies import BatchCost, Strategy
 from .base import Counters, EngineBase, ShuttingDown
 from .counters import count, sizes, tally
-from .runner import ModelFn, WorkerDied, isolating_steps, let_loop_run, run_isolating, settle
+from .runner import WorkerDied, isolating_steps, let_loop_run, run_isolating, settle
 
 __all__ = ["BatchCounters", "BatchEngine", "BatchRecord", "Item", "expected_wait_ms"]
 
@@ -95,7 +96,7 @@ class BatchCounters(Counters):
 class BatchEngine(EngineBase):
     """An encoder strategy, a model callable, the queue and the batch worker."""
 
-    def __init__(self, strategy: Strategy, model: ModelFn, *, clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, strategy: Strategy, model: Model, *, clock: Callable[[], float] = time.perf_counter,
                  history: int = 20_000) -> None:
         super().__init__(strategy, model, BatchCounters(), clock=clock)
         self.counters: BatchCounters
@@ -103,8 +104,6 @@ class BatchEngine(EngineBase):
         self._ids = itertools.count(1)
         self.cost = BatchCost()  # model ms of a batch of n, fitted to the batches run: what admit="deadline" expects
         self._busy_until_s = 0.0  # when the batch in the model is expected to be done
-        # the model's own count of each text's tokens, when it offers one: token budgets and padding need it
-        self._count: Callable[[list[str]], list[int]] | None = getattr(model, "count_tokens", None)
 
     def submit(self, texts: list[str], request_id: str = "", *, priority: int = 0, tenant: str = "") -> list[Item]:
         """Queue one request's texts, all or nothing. Raises Overloaded/ShuttingDown/WorkerDied."""
@@ -112,7 +111,7 @@ class BatchEngine(EngineBase):
         loop = asyncio.get_running_loop()
         now = self.clock()
         deadline = self.deadline_s(now)
-        tokens = self._count(texts) if self._count is not None else [0] * len(texts)
+        tokens = self.model.count_tokens(texts)  # the model's own count: token budgets and padding need it
         items = [Item(t, loop.create_future(), now, deadline, request_id, priority=priority, tenant=tenant,
                       tokens=n) for t, n in zip(texts, tokens, strict=True)]
         self.queue.put(items)

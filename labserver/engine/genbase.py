@@ -53,7 +53,7 @@ class GenEngine(EngineBase):
         position (the smaller, given both); neither: ``max_batch_size`` (at most 64) x the context (at most 2,048)."""
         budgets = [limits.max_kv_tokens] if limits.max_kv_tokens else []
         if limits.kv_memory_mb is not None:
-            per = getattr(model, "kv_bytes_per_token", 0)
+            per = model.kv_bytes_per_token
             if not per:
                 raise ModelLoadError(f"kv_memory_mb needs a model that says its KV bytes per position; {model.name} "
                                      "does not: give max_kv_tokens")
@@ -85,7 +85,7 @@ class GenEngine(EngineBase):
     @property
     def scores(self) -> bool:
         """Whether this engine's model gives log-probabilities (``Sampling.logprobs``): a model that computes."""
-        return bool(getattr(self.model, "scores", False))
+        return self.model.scores
 
     def submit(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False, request_id: str = "",
                sampling: Sampling | None = None, stop: Sequence[str] = (), min_tokens: int = 0, priority: int = 0,

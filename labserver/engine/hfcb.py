@@ -109,7 +109,7 @@ class HFManager:
         if max_kv_tokens is not None and max_kv_tokens < PAGE_TOKENS:
             raise ValueError(f"max_kv_tokens must be at least one page ({PAGE_TOKENS} tokens), got {max_kv_tokens}")
         self.hf_model = gen_model.hf_model
-        eos_ids = list(getattr(gen_model, "eos_ids", ()))
+        eos_ids = list(gen_model.eos_ids)
         self.eos_id: int | list[int] | None = eos_ids if len(eos_ids) > 1 else gen_model.eos_id  # (every one)
         self.max_context = gen_model.max_context
         kv_tokens = max_kv_tokens if max_kv_tokens is not None else (max_running or _DEFAULT_SEQS) * self.max_context
@@ -368,7 +368,7 @@ class HFEngine(GenEngine):
         for token in tokens:
             if seq.finished or seq.future.done():
                 return
-            seq.emit(token, now, self.model.eos_id, getattr(self.model, "eos_ids", ()))
+            seq.emit(token, now, self.model.eos_id, self.model.eos_ids)
             self.counters.tokens_generated += 1
 
     def _done(self, seq: Seq, reason: str | None, error: BaseException | None) -> None:

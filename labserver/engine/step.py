@@ -52,7 +52,7 @@ class StepEngine(GenEngine):
     def __init__(self, strategy: GenStrategy, model: GenModel, *, clock: Callable[[], float] = time.perf_counter,
                  queue: Any = None, history: int = 20_000) -> None:
         super().__init__(strategy, model, StepCounters(), clock=clock, queue=queue)
-        if not getattr(model, "paged", True):  # a causal LM folder with no forward pass here (models.causal)
+        if not model.paged:  # a causal LM folder with no forward pass here (models.causal)
             raise ModelLoadError(f"{strategy.name} runs labserver's own forward passes, which cannot run "
                                  f"{model.why}; serve it with --strategy gen-hf-cb (transformers' own manager)")
         limits = self.limits
@@ -62,8 +62,7 @@ class StepEngine(GenEngine):
         model.allocate_kv(self.blocks.total, self.blocks.block_tokens)
         self.scheduler = Scheduler(strategy, self.queue, self.blocks, self.counters, clock, self.live, self._emit,
                                    history)
-        self._eos_ids = frozenset(getattr(model, "eos_ids", ()))
-        self._bytes_per_token = int(getattr(model, "kv_bytes_per_token", 0))
+        self._eos_ids = frozenset(model.eos_ids)
         self.in_flight = self.scheduler.running.seqs  # (the same list) what drain waits for and a dying worker fails
 
     @property
@@ -135,9 +134,9 @@ class StepEngine(GenEngine):
                 gauge("kv_tokens_total", "KV-cache positions the pool holds (its token budget)",
                       b.total * b.block_tokens),
                 gauge("kv_bytes_per_token", "KV memory one position holds: layers x 2 x KV heads x head size x "
-                      "dtype size (0: the model does not say)", self._bytes_per_token),
+                      "dtype size (0: the model does not say)", self.model.kv_bytes_per_token),
                 gauge("kv_memory_bytes", "KV memory of the whole pool (its byte budget)",
-                      b.total * b.block_tokens * self._bytes_per_token),
+                      b.total * b.block_tokens * self.model.kv_bytes_per_token),
                 Metric("kv_blocks_evicted", "Cached blocks whose memory was taken for something else", "counter",
                        b.evicted),
                 gauge("prefix_hit_rate", "Share of prompt tokens the prefix cache held (null: no prompt yet)",

@@ -153,6 +153,9 @@ class RecordingModel:
     def check(self, text: str) -> None:
         self.model.check(text)
 
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return self.model.count_tokens(texts)
+
 
 def _serve_child(conn: Any, strategy: str, spec: str, options: dict[str, Any]) -> None:
     import labserver

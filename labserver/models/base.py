@@ -69,6 +69,9 @@ class Model(Protocol):
 
     def __call__(self, texts: list[str]) -> list[Any]: ...
 
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Each text's tokens, as the model would count them (token budgets, padding); all 0: it cannot say."""
+
     def check(self, text: str) -> None:
         """Raise InputRejected for an input that can never succeed; cheap, on the event loop."""
 
@@ -168,7 +171,12 @@ class GenModel(Protocol):
     name: str
     note: str | None  # said in every answer (e.g. "random weights: ..."), None for a real model
     eos_id: int | None  # the token that ends a sequence early, unless the request ignores it
+    eos_ids: tuple[int, ...]  # every token that ends it so (a config may list several; eos_id among them)
     max_context: int  # prompt + generated tokens one sequence may hold
+    kv_bytes_per_token: int  # KV memory one position holds (layers x 2 x KV heads x head size x dtype); 0: unknown
+    paged: bool  # the step engine can run it (labserver's own forward pass); False: only gen-hf-cb can
+    scores: bool  # it gives log-probabilities when a chunk's sampling asks (Sampling.logprobs)
+    tokenizer: Any  # a transformers tokenizer (its chat template is /v1/chat's), or None: the model has none
 
     def encode(self, prompt: str) -> list[int]:
         """Prompt -> token ids, on the event loop (cheap). Raises InputRejected for a prompt it cannot take."""
@@ -178,6 +186,9 @@ class GenModel(Protocol):
 
     def text(self, tokens: list[int]) -> str:
         """A whole output's text."""
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes (a byte-level piece may be part of a character): what logprobs' ``bytes`` show."""
 
     def allocate_kv(self, blocks: int, block_tokens: int) -> None:
         """Hold keys and values for ``blocks`` blocks of ``block_tokens`` positions (the engine's budget)."""

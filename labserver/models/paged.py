@@ -281,6 +281,7 @@ class TransformersOnly(TokenizerText):
     """
 
     paged = False
+    scores = False  # (gen-hf-cb: transformers' manager gives none)
     note = None
 
     def __init__(self, name: str, hf_model: Any, tokenizer: Any, *, max_context: int, eos_id: int | None,

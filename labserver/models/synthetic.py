@@ -46,6 +46,9 @@ class Echo:
     def check(self, text: str) -> None:
         pass
 
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return [0] * len(texts)  # (it cannot say)
+
 
 @dataclass
 class Synthetic:
@@ -128,6 +131,13 @@ class SyntheticGen:
     note: str | None = "synthetic: no model runs; tokens are placeholders"
     eos_id: int | None = 0
     kv_bytes_per_token: int = 0  # what a position would hold (a real model's, from its config): 0 says nothing
+    paged = True  # the step engine runs it
+    tokenizer = None  # (words are tokens: no chat template of its own)
+    scores = False  # no log-probabilities: it computes nothing
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return () if self.eos_id is None else (self.eos_id,)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -147,6 +157,9 @@ class SyntheticGen:
 
     def text(self, tokens: list[int]) -> str:
         return "".join(self.token_text(t) for t in tokens if t != 0)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.token_text(token).encode()
 
     def prefill_cost_ms(self, tokens: int) -> float:
         return self.prefill_ms + self.per_token_ms * tokens

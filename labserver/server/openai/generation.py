@@ -128,8 +128,8 @@ def finish_reason(seq: Seq, text: TextStream) -> str:
 
 def chat_template(model: GenModel) -> Callable[[list[dict[str, str]]], str] | None:
     """The tokenizer's own chat template when the model has one (else ``params.render_chat``)."""
-    tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    tokenizer = model.tokenizer
+    if tokenizer is None or not tokenizer.chat_template:
         return None
     return lambda messages: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 

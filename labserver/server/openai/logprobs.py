@@ -35,8 +35,7 @@ def _text(model: GenModel, token: int) -> str:
 
 
 def _bytes(model: GenModel, token: int) -> list[int]:
-    raw = getattr(model, "token_bytes", None)
-    return list(raw(token) if raw else _text(model, token).encode())
+    return list(model.token_bytes(token))
 
 
 def prompt_entries(prompt_ids: Sequence[int], scored: Sequence[Logprob]) -> list[Logprob]:
