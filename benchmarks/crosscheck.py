@@ -150,7 +150,7 @@ def server_itl_ms(url: str, after_step: int) -> float:
             continue
         idle = set(s["idle"])
         for sid in s["seqs"]:
-            if s["kind"] == "prefill":
+            if sid not in s["decoding"]:  # its prompt (or a recompute): its stream starts here
                 times[sid] = [s["end_s"]]
             elif sid in times and sid not in idle:
                 times[sid].append(s["end_s"])

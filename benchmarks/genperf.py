@@ -132,8 +132,8 @@ def measure(h: labserver.ServerHandle, args: argparse.Namespace, **how: Any) -> 
     # the generator's, so meet on the wall clock
     shift = time.time() - time.perf_counter() - result.meta["t0_unix_s"]
     steps = [r for r in h.steps() if r["step"] > seen and a_s <= r["start_s"] + shift <= b_s]
-    decode = [r for r in steps if r["kind"] == "decode"]
-    prefill = [r for r in steps if r["kind"] == "prefill"]
+    decode = [r for r in steps if len(r["decoding"]) == len(r["seqs"])]  # decode steps
+    prefill = [r for r in steps if not r["decoding"]]  # prefill calls
     useful = after["tokens_generated"] - before["tokens_generated"]
     idle = after.get("idle_tokens", 0) - before.get("idle_tokens", 0)  # gen-hf-cb's engine counts no padding rows
     records = result.records  # warm-up included, as the server's counters

@@ -92,7 +92,7 @@ def measure(h: labserver.ServerHandle, args: argparse.Namespace, warmup_s: float
     tps, a_s, b_s = genperf.window_tps(result, warmup_s, warmup_s + duration_s)
     shift = time.time() - time.perf_counter() - result.meta["t0_unix_s"]  # server clock -> the run's clock
     steps = [r for r in h.steps() if r["step"] > seen and a_s <= r["start_s"] + shift <= b_s]
-    decode = [r for r in steps if r["kind"] == "decode"]
+    decode = [r for r in steps if len(r["decoding"]) == len(r["seqs"])]  # decode steps
     prompt, cached = (after[k] - before[k] for k in ("prompt_tokens", "cached_tokens"))
     records = result.records
     answers = records[analysis.ok(records)]

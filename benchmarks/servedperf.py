@@ -141,7 +141,7 @@ def served(gen: Any, args: argparse.Namespace) -> dict[str, Any]:
             sampler.stop.set()
             sampler.join()
         a_s, b_s = m["window_s"]
-        context = [s["kv_tokens"] / len(s["seqs"]) for s in h.steps() if s["kind"] == "decode" and s["seqs"]]
+        context = [s["kv_tokens"] / len(s["seqs"]) for s in h.steps() if s["seqs"] and len(s["decoding"]) == len(s["seqs"])]
         return {**m, **sampler.between(m["t0_unix_s"] + a_s, m["t0_unix_s"] + b_s),
                 "mean_context": statistics.mean(context) if context else float("nan")}
 

@@ -66,7 +66,7 @@ def test_a_preempted_sequence_is_recomputed_over_what_it_already_sent() -> None:
     victim = next(s for s in seqs if s.preemptions)
     cut = next(i for i, st in enumerate(steps) if victim.sid in st["preempted"])
     back = next(st for st in steps[cut:] if victim.sid in st["seqs"])  # its next call: the recompute
-    assert back["kind"] == "prefill" and back["tokens"] > len(victim.prompt_ids)  # prompt + tokens sent so far
+    assert not back["decoding"] and back["tokens"] > len(victim.prompt_ids)  # prompt + tokens sent so far
     assert stats["recomputed_tokens"] >= back["tokens"]
     assert victim.cached_tokens == 0 and victim.finish_reason == "length" and len(victim.tokens) == 40
 
@@ -113,7 +113,7 @@ def test_a_shared_prefix_is_computed_once_and_changes_no_token(tiny: Any) -> Non
     common = next(i for i in range(len(ids[0])) if len({p[i] for p in ids}) > 1)  # tokens all prompts share
     assert common >= 48 and all(s.cached_tokens == common // 16 * 16 for s in cached[2:])  # whole blocks of 16
     assert on["cached_tokens"] == sum(s.cached_tokens for s in cached)
-    later = [st for st in steps if st["kind"] == "prefill"][1:]
+    later = [st for st in steps if not st["decoding"]][1:]  # prefill calls
     assert all(st["tokens"] <= sum(len(p) for p in ids[:2]) - 2 * 48 for st in later)  # only what was not cached
     assert on["kv_blocks"]["used"] == 0 and on["kv_blocks"]["cached"] > 0  # kept for the next prompt
 
@@ -128,7 +128,7 @@ def test_chunked_prefill_changes_no_token_and_keeps_the_step_budget(strategy: st
     assert max(st["tokens"] for st in steps) <= 24
     long = chunked[-1]
     pieces = [st for st in steps if long.sid in st["prefilling"]]
-    assert len(pieces) >= 150 // 24 and any(st["kind"] == "mixed" for st in pieces)  # beside running decodes
+    assert len(pieces) >= 150 // 24 and any(st["decoding"] for st in pieces)  # beside running decodes
 
 
 def test_a_client_that_leaves_gives_its_blocks_back() -> None:

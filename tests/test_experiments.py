@@ -191,14 +191,17 @@ def test_generation_compare_writes_results_and_plot_redraws_them(tmp_path: Path,
 
     # steps.csv: the server's steps, every answered request among their sequences; the idle share from them
     steps = pd.read_csv(out / "steps.csv", keep_default_na=False)
-    assert {"label", "rate", "step", "kind", "start_s", "end_s", "seqs", "idle"} <= set(steps.columns)
-    assert set(steps["kind"]) == {"prefill", "decode"} and set(steps["label"]) == set(labels)
+    assert {"label", "rate", "step", "decoding", "start_s", "end_s", "seqs", "idle"} <= set(steps.columns)
+    decodes = steps["decoding"].map(lambda v: len(str(v).split())) == steps["seqs"].map(lambda v: len(str(v).split()))
+    prefills = steps["decoding"].map(lambda v: not str(v).split())
+    assert (decodes | prefills).all() and decodes.any() and prefills.any()  # eager: prefill calls, decode steps
+    assert set(steps["label"]) == set(labels)
     assert (steps["end_s"] >= steps["start_s"]).all()
     for row in summary.itertuples():
         run = steps[steps["label"] == row.label]
         sids = {int(sid) for seqs in run["seqs"] for sid in str(seqs).split()}
         assert len(sids) >= (answers["label"] == row.label).sum(), row.label
-        decode = run[run["kind"] == "decode"]
+        decode = run[decodes[run.index]]
         idle = sum(len(str(x).split()) for x in decode["idle"]) / sum(len(str(x).split()) for x in decode["seqs"])
         assert math.isclose(row.idle_share, idle, rel_tol=1e-6, abs_tol=1e-9), row.label
     assert summary.set_index("label").loc["gen-continuous", "idle_share"] == 0  # it never holds a finished one

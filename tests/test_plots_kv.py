@@ -33,7 +33,8 @@ def ax():
 
 def step(n: int, kind: str, seqs: tuple, used: int, cached: int = 0, prefilling: tuple = (),
          preempted: tuple = ()) -> dict:
-    return {"step": n, "kind": kind, "start_s": 100.0 + n / 100, "end_s": 100.0 + n / 100 + 0.008, "seqs": seqs,
+    decoding = () if kind == "prefill" else tuple(s for s in seqs if s not in prefilling)  # (mixed: the rest)
+    return {"step": n, "decoding": decoding, "start_s": 100.0 + n / 100, "end_s": 100.0 + n / 100 + 0.008, "seqs": seqs,
             "idle": (), "prefilling": prefilling, "preempted": preempted, "kv_tokens": used * 16,
             "blocks_used": used, "blocks_cached": cached, "blocks_free": 10 - used - cached}
 

@@ -67,8 +67,8 @@ def fake_summary() -> pd.DataFrame:
 
 
 def step(n: int, kind: str, seqs: tuple, idle: tuple = (), kv: int = 0, reserved: int = 0) -> dict:
-    # step n runs from 100 + n/100 s to 8 ms later on the server's clock
-    return {"step": n, "kind": kind, "start_s": 100.0 + n / 100, "end_s": 100.0 + n / 100 + 0.008,
+    # step n runs from 100 + n/100 s to 8 ms later on the server's clock; a "prefill" call decodes nobody
+    return {"step": n, "decoding": () if kind == "prefill" else seqs, "start_s": 100.0 + n / 100, "end_s": 100.0 + n / 100 + 0.008,
             "seqs": seqs, "idle": idle, "kv_tokens": kv, "kv_reserved": reserved}  # fmt: skip
 
 
@@ -183,7 +183,7 @@ def test_step_gantt_stays_a_few_collections_for_a_long_log(ax):
 
 
 def test_step_gantt_without_a_step_log_says_so(ax):
-    plots.step_gantt(pd.DataFrame(columns=["step", "kind", "seqs"]), ax=ax)  # gen-hf-cb
+    plots.step_gantt(pd.DataFrame(columns=["step", "decoding", "seqs"]), ax=ax)  # gen-hf-cb
     assert not ax.collections and "no step log" in ax.texts[0].get_text()
 
 

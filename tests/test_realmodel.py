@@ -231,7 +231,7 @@ def test_preemption_prefix_cache_and_chunking_change_no_token(model: Any) -> Non
     cached, cstats, _ = serve(model, texts, new, "gen-paged", max_batch_size=4, prefix_cache=True, kv_block_tokens=8)
     assert cstats["cached_tokens"] > 0  # (four at a time: the later ones find the first ones' blocks)
     chunked, _, steps = serve(model, texts, new, max_batch_size=8, prefill="chunked", max_step_tokens=24)
-    assert any(s["kind"] == "mixed" for s in steps)
+    assert any(0 < len(s["decoding"]) < len(s["seqs"]) for s in steps)  # a step of decodes and prompt pieces
     want = [s.tokens for s in plain]
     for name, run in (("preempted", tight), ("prefix-cached", cached), ("chunked", chunked)):
         assert [s.tokens for s in run] == want, name

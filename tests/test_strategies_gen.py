@@ -9,6 +9,7 @@ import pytest
 
 from labserver.strategies import STRATEGIES, Limits
 from labserver.strategies import make_strategy, strategy_names
+from labserver.strategies.steps import PREFILLS
 from labserver.engine.virtual import GenSimRun, simulate_gen
 
 LOCAL = ["gen-naive", "gen-static", "gen-continuous", "gen-paged"]  # the ones with a step log (gen-hf-cb runs transformers)
@@ -26,7 +27,7 @@ def mixed(n: int = 24, span_s: float = 2.0, seed: int = 0) -> list[tuple[float, 
 
 
 def decode_steps(run: GenSimRun) -> list:
-    return [s for s in run.steps if s.kind == "decode"]
+    return [s for s in run.steps if len(s.decoding) == len(s.seqs)]
 
 
 def test_registry_keeps_generation_apart() -> None:
@@ -44,7 +45,7 @@ def test_every_request_gets_exactly_its_tokens(name: str) -> None:
     assert all(s.finish_reason == "length" and s.future.done() and s.future.error is None for s in run.seqs)
     # each sequence is in exactly one prefill and in (its tokens - 1) decode steps while generating
     for s in run.seqs:
-        assert sum(s.sid in step.seqs for step in run.steps if step.kind == "prefill") == 1
+        assert sum(s.sid in step.seqs for step in run.steps if not step.decoding) == 1
         working = [st for st in decode_steps(run) if s.sid in st.seqs and s.sid not in st.idle]
         assert len(working) == len(s.tokens) - 1
 
@@ -65,7 +66,7 @@ def test_caps_are_respected(name: str, cap: int, kv: int | None) -> None:
 def test_naive_runs_one_request_at_a_time() -> None:
     run = sim("gen-naive", mixed(10))
     assert {len(s.seqs) for s in run.steps} == {1}
-    order = [s.seqs[0] for s in run.steps if s.kind == "prefill"]
+    order = [s.seqs[0] for s in run.steps if not s.decoding]
     assert order == sorted(order)  # first come, first served
 
 
@@ -75,7 +76,7 @@ def test_continuous_joins_at_the_next_step_boundary() -> None:
     late = run.seqs[1]
     boundary = min(s.end_s for s in run.steps if s.end_s >= late.enqueued_s)
     assert late.admitted_s == pytest.approx(boundary)  # prefilled right after the step it arrived during
-    prefill = next(s for s in run.steps if s.kind == "prefill" and late.sid in s.seqs)
+    prefill = next(s for s in run.steps if not s.decoding and late.sid in s.seqs)
     after = [s for s in decode_steps(run) if s.start_s >= prefill.end_s][0]
     assert set(after.seqs) == {1, 2}  # merged into the running batch at once
     # the long one kept decoding: it waited one prefill, not for the newcomer's whole generation
@@ -107,10 +108,10 @@ def test_static_uses_the_deadline_rule() -> None:
     requests = [(0.0, 8, 5), (0.0005, 8, 5), (0.003, 8, 5)]
     waits = simulate_gen(make_strategy("gen-static", Limits(max_batch_size=8, max_wait_ms=2, idle_dispatch=False)),
                          requests, prefill_ms=20, step_ms=10)
-    first = next(s for s in waits.steps if s.kind == "prefill")
+    first = next(s for s in waits.steps if not s.decoding)
     assert first.seqs == (1, 2) and first.start_s == pytest.approx(0.002)  # due 2 ms after the first item
     eager = sim("gen-static", requests, max_batch_size=8, max_wait_ms=2)
-    assert next(s for s in eager.steps if s.kind == "prefill").seqs == (1,)  # idle dispatch: nobody else queued
+    assert next(s for s in eager.steps if not s.decoding).seqs == (1,)  # idle dispatch: nobody else queued
 
 
 def test_continuous_beats_static_on_mixed_lengths() -> None:
@@ -138,9 +139,9 @@ def test_prefill_budget_spreads_prompts_over_steps() -> None:
     requests = [(0.0, 8, 200)] + [(0.05, 100, 10)] * 6
     eager = sim("gen-continuous", requests, max_batch_size=16)
     budget = sim("gen-continuous", requests, max_batch_size=16, prefill="budget", max_prefill_tokens=200)
-    sizes = [len(s.seqs) for s in budget.steps if s.kind == "prefill"][1:]
+    sizes = [len(s.seqs) for s in budget.steps if not s.decoding][1:]
     assert max(sizes) <= 2 and sum(sizes) == 6  # at most 200 prompt tokens per boundary: 2 prompts of 100
-    assert [len(s.seqs) for s in eager.steps if s.kind == "prefill"][1:] == [6]
+    assert [len(s.seqs) for s in eager.steps if not s.decoding][1:] == [6]
     # the running stream is never stalled for more than one (smaller) prefill between two steps
     long_steps = [s for s in budget.steps if 1 in s.seqs]
     gaps = np.diff([s.start_s for s in long_steps])
@@ -208,11 +209,35 @@ def test_a_shared_prefix_on_the_virtual_clock_is_prefilled_once() -> None:
     assert cached.stats["prefix_hit_rate"] == pytest.approx(9 * 512 / 6000)
 
 
-def docs_rule() -> str:
-    """The code block of docs/generation.md's "Write your own rule": the docs cannot drift from what runs."""
+def docs_rule(k: int = 0) -> str:
+    """Code block ``k`` of docs/generation.md's "Write your own rule": the docs cannot drift from what runs."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "generation.md").read_text()
     section = text[text.index("### Write your own rule"):]
+    for _ in range(k):
+        section = section[section.index("```\n", section.index("```python")) + 4:]
     return section[section.index("```python\n") + len("```python\n"):section.index("```\n", section.index("```python"))]
+
+
+def test_the_docs_prefill_rule_is_one_class_and_composes_one_prompt_at_a_time() -> None:
+    saved = dict(PREFILLS)
+    try:
+        exec(compile(docs_rule(1), "docs/generation.md", "exec"), {})  # registers it, as a user's module would
+        one = make_strategy("gen-continuous", Limits(max_batch_size=8, prefill="one-prompt", max_step_tokens=64))
+    finally:
+        PREFILLS.clear()
+        PREFILLS.update(saved)
+    # two streams run; then four prompts of 200 tokens arrive together
+    requests = [(0.0, 8, 80), (0.0, 8, 80)] + [(0.05, 200, 10) for _ in range(4)]
+    costs = {"prefill_ms": 5, "step_ms": 10, "per_token_ms": 0.2}
+    chunked = simulate_gen(make_strategy("gen-continuous", Limits(max_batch_size=8, prefill="chunked",
+                                                                  max_step_tokens=64)), requests, **costs)
+    ours = simulate_gen(one, requests, **costs)
+    assert all(len(step.prefilling) <= 1 for step in ours.steps)  # one prompt at a time
+    assert max(len(step.prefilling) for step in chunked.steps) > 1
+    assert all(step.tokens <= 64 for step in ours.steps)
+    assert [len(s.tokens) for s in ours.seqs] == [k for _, _, k in requests]  # everyone answered in full
+    first = {name: min(s.first_token_s for s in run.seqs[2:]) for name, run in (("c", chunked), ("o", ours))}
+    assert first["o"] < first["c"]  # the burst's first answer starts sooner
 
 
 def test_the_docs_new_rule_is_one_class_and_runs_on_the_virtual_clock() -> None:

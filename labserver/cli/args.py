@@ -15,6 +15,7 @@ from typing import Any
 from ..config import DEFAULT_STRATEGY
 from ..strategies import Limits, strategy_names
 from ..strategies.overload import DISCIPLINES, SCHEDULING
+from ..strategies.steps import PREFILLS
 
 __all__ = ["add_load_args", "add_model_args", "add_strategy_args", "limits_from", "load_options",
            "wants_generation"]
@@ -63,7 +64,7 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
                    help="gen-*: tokens per KV block, the unit memory is taken in (default: %(default)s)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="gen-*: prompts that begin alike share their KV blocks")
-    p.add_argument("--prefill", default=_LIMITS.prefill, choices=["eager", "budget", "chunked"],
+    p.add_argument("--prefill", default=_LIMITS.prefill, choices=list(PREFILLS),
                    help="gen-continuous, gen-paged: prefill all that fit at every step, at most "
                         "--max-prefill-tokens, or in pieces inside each step (--max-step-tokens)")
     p.add_argument("--max-prefill-tokens", type=int, default=_LIMITS.max_prefill_tokens,

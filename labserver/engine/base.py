@@ -293,12 +293,11 @@ class EngineBase:
         if max_queue is not None and len(self.queue) + n > max_queue:
             self.counters.rejected_overload += n
             raise Overloaded(f"queue is full ({len(self.queue)} of {max_queue} waiting); retry later")
-        if self.limits.admit == "deadline":
-            wait_ms = self.expected_ms(n)
-            if wait_ms > self.limits.timeout_ms:  # (admit="deadline" needs timeout_ms: Limits checks)
-                self.counters.refused_deadline += n
-                raise Overloaded(f"expected to be answered in {wait_ms:.0f} ms, past timeout_ms="
-                                 f"{self.limits.timeout_ms:g}: refused now rather than answered late", "deadline")
+        wait_ms = self.strategy.door.refuses(lambda: self.expected_ms(n))  # (admit=: the strategy's door)
+        if wait_ms is not None:
+            self.counters.refused_deadline += n
+            raise Overloaded(f"expected to be answered in {wait_ms:.0f} ms, past timeout_ms="
+                             f"{self.limits.timeout_ms:g}: refused now rather than answered late", "deadline")
 
     def expected_ms(self, n: int) -> float:
         """How long ``n`` more requests would take to be answered, from the work ahead of them (0: unknown)."""

@@ -7,11 +7,12 @@ strategy's (``labserver.strategies.generate``); the scheduler asks and keeps the
         strategy.admit(queue, running, clock) -> who joins; the gone are dropped, the expired
             answered 504, the joining get their block tables (a prefix cache may already hold
             their first blocks); strategy.compose(running) -> the step's calls, one at a time
-    plan = scheduler.next_call()            the step's next call (None: the step is over)
-        blocks for every position it writes; when none is free, strategy.victim(running) is
-            preempted (blocks back, requeued at the head, recomputed later)
-    ... the engine runs the model on plan.chunks ...
-    scheduler.apply(plan, outputs, start_s, end_s)
+    call = scheduler.next_call()            the step's next call (None: the step is over): each
+            sequence with how many tokens it computes (a prompt, a piece, a recompute, or the one
+            token of a decode), its blocks for every position it writes; when none is free,
+            strategy.victim(running) is preempted (blocks back, requeued at the head, recomputed later)
+    ... the engine runs the model on call.chunks ...
+    scheduler.apply(call, outputs, start_s, end_s)
         positions computed, tokens emitted, failures, counters, the step record;
         strategy.leaving(running) -> who leaves the batch
 
@@ -36,7 +37,7 @@ from .counters import count, sizes
 from .genbase import GenCounters
 from .sequence import Seq
 
-__all__ = ["Plan", "Running", "Scheduler", "StepCounters", "StepRecord"]
+__all__ = ["ModelCall", "Running", "Scheduler", "StepCounters", "StepRecord"]
 
 Work = list[tuple[Seq, int]]  # a model call: each sequence and how many of its pending tokens it computes
 
@@ -44,7 +45,6 @@ Work = list[tuple[Seq, int]]  # a model call: each sequence and how many of its 
 @dataclass
 class StepRecord:
     step: int
-    kind: str  # "prefill" | "decode" | "mixed" (chunked prefill: prompt pieces and decodes in one call)
     start_s: float  # clock, s
     end_s: float
     seqs: tuple[int, ...]  # sequence ids in the model call
@@ -53,10 +53,13 @@ class StepRecord:
     kv_reserved: int = 0  # prompt + max_new_tokens of every running sequence
     tokens: int = 0  # tokens computed in the call (prompt pieces + one per decode)
     prefilling: tuple[int, ...] = ()  # among seqs: those whose prompt (or a piece, or a recompute) was computed
+    #   and that are not finished (one answered by its first token is in neither this nor decoding)
     preempted: tuple[int, ...] = ()  # sequences preempted to make room for this call (requeued, recomputed later)
     blocks_used: int = 0  # KV blocks after the call: in a running sequence's table
     blocks_cached: int = 0  # in none, kept for the prefix cache
     blocks_free: int = 0
+    decoding: tuple[int, ...] = ()  # among seqs: those that computed one token of their answer (idle ones too);
+    #   the others computed prompt tokens. None: a prefill call; all of seqs: a decode step; else a mixed one
 
 
 @dataclass
@@ -75,13 +78,18 @@ class StepCounters(GenCounters):
 
 
 @dataclass
-class Plan:
+class ModelCall:
     """One model call: who, how many tokens each, and where their KV lives."""
 
-    kind: str  # "prefill" | "decode" | "mixed"
     work: Work
     chunks: list[Chunk]  # one per entry of work, for the model
+    decoding: frozenset[int]  # sequences computing one token of their answer; the rest compute prompt tokens
     preempted: list[Seq] = field(default_factory=list)  # taken out to make room for it
+
+    @property
+    def prefills(self) -> bool:
+        """Some sequence computes prompt tokens (a prompt that fails must fail alone: the call is isolating)."""
+        return len(self.decoding) < len(self.work)
 
 
 class Running:
@@ -149,14 +157,15 @@ class Scheduler:
         self._step_ids = 0
 
     # -- the plan -------------------------------------------------------------------------
-    def next_call(self) -> Plan | None:
+    def next_call(self) -> ModelCall | None:
         """The next model call of the step under way, with its blocks; None at a step boundary."""
-        for kind, work in self._calls:
+        for work in self._calls:
             preempted = self._make_room(work)
             work = [(s, n) for s, n in work if s not in preempted]
             if work:
                 preempted, self._displaced = self._displaced + preempted, []
-                return Plan(kind, work, [self._chunk(s, n) for s, n in work], preempted)
+                return ModelCall(work, [self._chunk(s, n) for s, n in work],
+                                 frozenset(s.sid for s, _ in work if s.decoding), preempted)
             self._retire()
         return None
 
@@ -268,10 +277,10 @@ class Scheduler:
                      sampling=seq.sampling, prompt_len=len(prompt), score=score)
 
     # -- the outcome ------------------------------------------------------------------------
-    def apply(self, plan: Plan, outs: Sequence[Any], start_s: float, end_s: float) -> None:
+    def apply(self, plan: ModelCall, outs: Sequence[Any], start_s: float, end_s: float) -> None:
         """What follows from a call's outputs (a token, None for a prompt piece, or an exception per entry)."""
         c = self.counters
-        decoding = {s.sid for s, _ in plan.work if s.decoding}  # (the rest computed prompt tokens)
+        decoding = plan.decoding  # (the rest computed prompt tokens)
         idle, failed = [], []
         for (seq, n), out in zip(plan.work, outs, strict=True):
             logprob = None
@@ -300,7 +309,7 @@ class Scheduler:
                 self.emit(seq, out, end_s, logprob)
                 c.tokens_generated += 1
             self.strategy.scheduling.served(seq, 0 if seq.sid in decoding else n, 1 if seq.sid in decoding else 0)
-        if plan.kind != "prefill":
+        if decoding:  # a decode step (or a mixed one: chunked prefill)
             self.strategy.scheduling.observe_step(len(plan.work), (end_s - start_s) * 1000)
             c.decode_steps += 1
             c.step_size_histogram[len(decoding) + len(idle)] += 1
@@ -309,10 +318,11 @@ class Scheduler:
         prefilling = tuple(s.sid for s, _ in plan.work if s.sid not in decoding and not s.finished)
         self._step_ids += 1
         b = self.blocks
-        self.steps.append(StepRecord(self._step_ids, plan.kind, start_s, end_s, tuple(s.sid for s, _ in plan.work),
+        self.steps.append(StepRecord(self._step_ids, start_s, end_s, tuple(s.sid for s, _ in plan.work),
                                      tuple(idle), self.running.kv_tokens, self.running.reserved,
                                      sum(n for _, n in plan.work), prefilling,
-                                     tuple(s.sid for s in plan.preempted), b.used, b.cached, b.free))
+                                     tuple(s.sid for s in plan.preempted), b.used, b.cached, b.free,
+                                     tuple(s.sid for s, _ in plan.work if s.sid in decoding)))
         self._retire()
 
     def _retire(self) -> None:

@@ -7,13 +7,13 @@ the strategy every question (who joins, how a step is composed, whom to preempt,
 leaves)::
 
     while True:
-        plan = scheduler.next_call()        # who is computed, how many tokens each, their blocks
+        call = scheduler.next_call()        # who is computed, how many tokens each, their blocks
         tell the model which sequences it may forget (finished, failed, gone, preempted)
-        if plan is None:                    # the step is over
+        if call is None:                    # the step is over
             await scheduler.admit()         # a step boundary: who joins, and the calls of the next step
             continue
-        outputs = model.prefill(plan.chunks) or model.decode(plan.chunks)      # on the model thread
-        scheduler.apply(plan, outputs)      # positions computed, tokens emitted, failures, who leaves
+        outputs = model.decode(call.chunks) if every one decodes, else model.prefill(call.chunks)
+        scheduler.apply(call, outputs)      # positions computed, tokens emitted, failures, who leaves
 
 KV memory is blocks (``labserver.engine.blocks``): the scheduler keeps each sequence's
 block table and hands it to the model with the work (``labserver.models.Chunk``); the
@@ -37,7 +37,7 @@ from .blocks import BlockManager
 from .counters import Metric, gauge
 from .genbase import GenEngine, kv_budget_tokens
 from .runner import run_isolating
-from .scheduler import Plan, Running, Scheduler, StepCounters, StepRecord
+from .scheduler import ModelCall, Running, Scheduler, StepCounters, StepRecord
 from .sequence import Seq
 
 logger = logging.getLogger(__name__)
@@ -89,25 +89,25 @@ class StepEngine(GenEngine):
     async def step_loop(self) -> None:
         """Plan a call, run it, apply what it made; between steps, admit: the loop in the module docstring."""
         while True:
-            plan = self.scheduler.next_call()  # the step's next call; None: the step is over
+            call = self.scheduler.next_call()  # the step's next call; None: the step is over
             await self._release()  # the model forgets who left before it computes, or before we wait
-            if plan is None:
+            if call is None:
                 await self.scheduler.admit()  # a step boundary: who joins (waits while nothing runs)
                 continue
             start = self.clock()
-            outs = await self._run(plan)
-            self.scheduler.apply(plan, outs, start, self.clock())
+            outs = await self._run(call)
+            self.scheduler.apply(call, outs, start, self.clock())
 
-    async def _run(self, plan: Plan) -> list[Any]:
+    async def _run(self, call: ModelCall) -> list[Any]:
         """The model call; a failure becomes that sequence's output (an exception), never the loop's end."""
-        if plan.kind == "decode":
+        if not call.prefills:
             try:
-                return await self.call(self.model.decode, plan.chunks)  # type: ignore[no-any-return]
+                return await self.call(self.model.decode, call.chunks)  # type: ignore[no-any-return]
             except Exception as e:  # a failed step fails every sequence in it (mid-stream: an error event)
-                logger.exception("decode step failed for %d sequences", len(plan.chunks))
-                return [e] * len(plan.chunks)
+                logger.exception("decode step failed for %d sequences", len(call.chunks))
+                return [e] * len(call.chunks)
         # a prompt that fails fails alone: the call is split and retried until it does
-        outs, calls = await self.call(run_isolating, self.model.prefill, plan.chunks)
+        outs, calls = await self.call(run_isolating, self.model.prefill, call.chunks)
         self.counters.prefill_calls += calls
         return outs  # type: ignore[no-any-return]
 

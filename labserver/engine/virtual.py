@@ -28,7 +28,7 @@ from typing import Any
 
 from ..models.synthetic import SyntheticGen
 from ..strategies import BatchCost, Limits, Strategy
-from ..strategies.overload import Discipline
+from ..strategies.overload import Discipline, Door, make_door
 from .batch import BatchRecord, Item, expected_wait_ms
 from .line import Line
 from .step import Seq, StepEngine
@@ -66,13 +66,13 @@ class VirtualQueue:
 
     The waiting wait in the engine's own ``Line`` (priority classes, the strategy's discipline
     and its sheds); with ``limits``, the engine's door applies too: ``max_queue`` and
-    ``admit="deadline"`` refuse at arrival (503), and a request whose ``timeout_ms`` passes
+    its ``door`` (``admit="deadline"``) refuse at arrival (503), and a request whose ``timeout_ms`` passes
     while it waits leaves at that moment (504). Every arrival's fate is in ``outcomes``.
     """
 
     def __init__(self, arrivals_s: Iterable[float], *, classes: Sequence[int] | None = None,
                  tokens: Sequence[int] | None = None, limits: Limits | None = None,
-                 discipline: Discipline | None = None, batch_cap: float = math.inf) -> None:
+                 discipline: Discipline | None = None, batch_cap: float = math.inf, door: Door | None = None) -> None:
         self.now_s = 0.0
         self._future: Any = _NeverDone()
         times = sorted(arrivals_s)
@@ -80,6 +80,7 @@ class VirtualQueue:
         self._classes = list(classes) if classes is not None else []
         self._tokens = list(tokens) if tokens is not None else []  # each arrival's tokens, in time order
         self.limits = limits
+        self.door = door or (make_door(limits) if limits else Door(None))  # who may queue at all (admit=)
         self.line = Line(discipline, self._shed)
         self.outcomes: list[Outcome] = []
         self.cost = BatchCost()  # what admit="deadline" expects a batch to cost, fitted as the engine fits it
@@ -109,11 +110,11 @@ class VirtualQueue:
         if lim.max_queue is not None and len(self.line) + 1 > lim.max_queue:
             self._refuse(outcome, 503, "queue-full", t)
             return False
-        if lim.admit == "deadline" and lim.timeout_ms is not None:
-            busy_ms = max(0.0, self.busy_until_s - t) * 1000
-            if expected_wait_ms(self.cost, len(self.line) + 1, self.batch_cap, busy_ms) > lim.timeout_ms:
-                self._refuse(outcome, 503, "deadline", t)
-                return False
+        busy_ms = max(0.0, self.busy_until_s - t) * 1000
+        expected = lambda: expected_wait_ms(self.cost, len(self.line) + 1, self.batch_cap, busy_ms)  # noqa: E731
+        if self.door.refuses(expected) is not None:
+            self._refuse(outcome, 503, "deadline", t)
+            return False
         return True
 
     def _expire(self, until_s: float) -> None:
@@ -211,7 +212,7 @@ def simulate(
     ``service_ms(n, longest)``, padding included, and records its real and padded tokens;
     without, ``service_ms(n)``.
     """
-    q = VirtualQueue(arrivals_s, classes=classes, tokens=tokens, limits=strategy.limits,
+    q = VirtualQueue(arrivals_s, classes=classes, tokens=tokens, limits=strategy.limits, door=strategy.door,
                      discipline=strategy.discipline, batch_cap=strategy.batch_cap)
     return _run(strategy, q, service_ms, lambda q, end_s, n: None, math.inf, by_tokens=tokens is not None)
 
@@ -235,7 +236,7 @@ def simulate_closed(
         for k in range(n):
             q.add(end_s + (rtt_ms + k * reply_ms) / 1000)
 
-    q = VirtualQueue([0.0] * users, limits=strategy.limits, discipline=strategy.discipline,
+    q = VirtualQueue([0.0] * users, limits=strategy.limits, door=strategy.door, discipline=strategy.discipline,
                      batch_cap=strategy.batch_cap)
     return _run(strategy, q, service_ms, answered, duration_s)
 

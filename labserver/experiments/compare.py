@@ -153,7 +153,7 @@ def write(runs: Runs, summary: pd.DataFrame, cfg: CompareConfig, out: Path) -> P
     runs.lag.to_csv(out / "lag.csv", index=False)
     if cfg.task == "generate":
         runs.tokens.to_csv(out / "tokens.csv", index=False)
-        steps = runs.steps.assign(seqs=runs.steps["seqs"].map(_ids), idle=runs.steps["idle"].map(_ids))
+        steps = runs.steps.assign(**{c: runs.steps[c].map(_ids) for c in _ID_COLUMNS if c in runs.steps})
         steps.to_csv(out / "steps.csv", index=False)
     summary.to_csv(out / "summary.csv", index=False)
     doc = {"task": cfg.task, "config": asdict(cfg), "machine": machine_info(cfg.device),
@@ -162,6 +162,9 @@ def write(runs: Runs, summary: pd.DataFrame, cfg: CompareConfig, out: Path) -> P
     (out / "machine.json").write_text(json.dumps(doc["machine"], indent=1))
     draw(out)
     return out
+
+
+_ID_COLUMNS = ("seqs", "idle", "decoding")  # a step's sequence ids, written "3 5 8"
 
 
 def _ids(ids: Sequence[int]) -> str:
@@ -185,7 +188,7 @@ def read(out: str | Path) -> tuple[Runs, dict[str, Any]]:
         runs.tokens = pd.read_csv(out / "tokens.csv")
     if (out / "steps.csv").exists():
         steps = pd.read_csv(out / "steps.csv", keep_default_na=False)
-        runs.steps = steps.assign(seqs=steps["seqs"].map(_parse_ids), idle=steps["idle"].map(_parse_ids))
+        runs.steps = steps.assign(**{c: steps[c].map(_parse_ids) for c in _ID_COLUMNS if c in steps})
     doc = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
     return runs, doc
 

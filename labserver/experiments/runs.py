@@ -41,8 +41,8 @@ __all__ = ["LAG_COLUMNS", "PROBE_COLUMNS", "STEP_COLUMNS", "Runs", "lag_in_run_c
 
 LAG_COLUMNS = ["label", "rate", "t_s", "lag_ms"]
 PROBE_COLUMNS = ["label", "rate", "t_s", "latency_ms", "status", "error"]
-STEP_COLUMNS = ["label", "rate", "step", "kind", "start_s", "end_s", "seqs", "idle", "kv_tokens", "kv_reserved",
-                "tokens", "prefilling", "preempted", "blocks_used", "blocks_cached", "blocks_free"]
+STEP_COLUMNS = ["label", "rate", "step", "start_s", "end_s", "seqs", "idle", "kv_tokens", "kv_reserved",
+                "tokens", "prefilling", "preempted", "blocks_used", "blocks_cached", "blocks_free", "decoding"]
 TOKEN_COLUMNS = ["label", "rate", "i", "k", "t_s"]
 
 
@@ -80,7 +80,7 @@ class Runs:
 
     def idle_share(self) -> pd.DataFrame:
         """Per run: the share of decode work spent on sequences already finished (gen-static's waste)."""
-        decode = self.steps[self.steps["kind"] == "decode"]
+        decode = self.steps[self.steps["decoding"].map(len) == self.steps["seqs"].map(len)]  # decode steps only
         if decode.empty:
             return pd.DataFrame(columns=["label", "rate", "idle_share"])
         sizes = decode.assign(work=decode["seqs"].map(len), idle_n=decode["idle"].map(len))

@@ -199,17 +199,17 @@ def _slots(steps: pd.DataFrame) -> dict[str, list[tuple[float, float, int]]]:
     """
     starts, ends = steps["start_s"].to_numpy(dtype=float), steps["end_s"].to_numpy(dtype=float)
     column = {name: steps[name].map(_ids) if name in steps.columns else pd.Series([()] * len(steps))
-              for name in ("seqs", "idle", "prefilling", "preempted")}
+              for name in ("seqs", "idle", "decoding", "preempted")}
     visits: dict[tuple[int, int], list[tuple[int, str]]] = {}  # (sid, stay) -> [(step position, state)], in order
     stay: dict[int, int] = {}
     cuts: list[tuple[int, tuple[int, int]]] = []  # (step position, the stay it ended)
-    for j, (kind, seqs, idle, prefilling, preempted) in enumerate(zip(steps["kind"], *column.values())):
+    for j, (seqs, idle, decoding, preempted) in enumerate(zip(*column.values(), strict=True)):
         for sid in preempted:  # taken out just before this call
             if (sid, stay.get(sid, 0)) in visits:
                 cuts.append((j, (sid, stay.get(sid, 0))))
             stay[sid] = stay.get(sid, 0) + 1
         for sid in seqs:
-            state = "prefill" if kind == "prefill" or sid in prefilling else "idle" if sid in idle else "decode"
+            state = "idle" if sid in idle else "decode" if sid in decoding else "prefill"
             visits.setdefault((sid, stay.get(sid, 0)), []).append((j, state))
     lane_of: dict[tuple[int, int], int] = {}
     free: list[int] = []  # lanes given back, lowest first
@@ -262,7 +262,7 @@ def step_gantt(steps: Records, ax: Axes | None = None, *, max_steps: int | None 
     t0 = float(run["start_s"].min()) if t0_s is None else t0_s
     scale, unit = time_scale(float(run["end_s"].max()) - t0)
     slots = _slots(run)
-    decode = run["kind"] != "prefill"
+    decode = run["decoding"].map(lambda v: len(_ids(v))) > 0
     in_decode = run.loc[decode, "seqs"].map(lambda v: len(_ids(v))).sum()
     idle_share = run.loc[decode, "idle"].map(lambda v: len(_ids(v))).sum() / in_decode if in_decode else 0.0
     for state, (name, color, hatch) in STATES.items():

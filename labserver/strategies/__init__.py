@@ -9,8 +9,9 @@
   must find to join, ``compose`` the model calls of a step, ``victim`` whom to preempt and
   ``leaving`` who leaves after a call. The engine's scheduler asks; it decides nothing itself.
 
-One room, three files: ``base`` (``Limits``, ``Strategy``, the registry), ``encode`` and
-``generate`` (the rules); everything is importable from here.
+One room: ``base`` (``Limits``, ``Strategy``, the registry), ``encode`` and ``generate`` (the
+rules), ``steps`` (how a generation step is composed: the prefill rules, one class each),
+``overload`` (who goes first under overload); everything is importable from here.
 
 The rest (dropping the gone, running the model, answering) is the engine's, so a rule
 is testable on a virtual clock without HTTP or torch (``labserver.engine.virtual``).
@@ -24,9 +25,11 @@ from __future__ import annotations
 
 from .base import (STRATEGIES, Admission, Batch, Clock, Limits, Queue, Strategy, describe, make_strategy, register,
                    strategy_names)
+from .steps import PREFILLS, Call, PrefillRule, register_prefill
 from .encode import SLO, Adaptive, BatchCost, Deadline, Naive, PerFetch, Thread, Tokens
-from .generate import Call, GenContinuous, GenHFContinuous, GenNaive, GenPaged, GenStatic, GenStrategy, Running
+from .generate import GenContinuous, GenHFContinuous, GenNaive, GenPaged, GenStatic, GenStrategy, Running
 
 __all__ = ["SLO", "STRATEGIES", "Adaptive", "Admission", "Batch", "BatchCost", "Call", "Clock", "Deadline", "GenContinuous",
            "GenHFContinuous", "GenNaive", "GenPaged", "GenStatic", "GenStrategy", "Limits", "Naive", "PerFetch", "Queue",
-           "Running", "Strategy", "Thread", "Tokens", "describe", "make_strategy", "register", "strategy_names"]
+           "PREFILLS", "PrefillRule", "Running", "Strategy", "Thread", "Tokens", "describe", "make_strategy", "register",
+           "register_prefill", "strategy_names"]

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from .overload import make_discipline
+from .overload import DOORS, make_discipline, make_door
+from .registry import registrar
+from .steps import PREFILLS
 
 __all__ = ["STRATEGIES", "Admission", "Batch", "Clock", "Limits", "Queue", "Strategy", "describe", "make_strategy",
            "register", "strategy_names"]
@@ -80,20 +82,21 @@ class Limits:
             ("max_kv_tokens", self.max_kv_tokens is None or self.max_kv_tokens >= self.kv_block_tokens,
              f">= kv_block_tokens ({self.kv_block_tokens}: one block) or None"),
             ("kv_memory_mb", self.kv_memory_mb is None or self.kv_memory_mb > 0, "> 0 or None"),
-            ("prefill", self.prefill in ("eager", "budget", "chunked"), "'eager', 'budget' or 'chunked'"),
+            ("prefill", self.prefill in PREFILLS, " or ".join(map(repr, PREFILLS))),
             ("max_prefill_tokens", self.max_prefill_tokens >= 1, ">= 1"),
-            ("max_step_tokens", self.max_step_tokens >= 1 and (self.prefill != "chunked"
-                                                             or self.max_step_tokens > (self.max_batch_size or 0)),
-             ">= 1, and under prefill='chunked' more than max_batch_size (every decode takes one)"),
+            ("max_step_tokens", self.max_step_tokens >= 1, ">= 1"),
             ("eos_prob", 0 <= self.eos_prob < 1, "in [0, 1)"),
             ("codel_target_ms", self.codel_target_ms > 0, "> 0"),
             ("codel_interval_ms", self.codel_interval_ms > 0, "> 0"),
-            ("admit", self.admit in ("all", "deadline"), "'all' or 'deadline'"),
-            ("admit", self.admit == "all" or self.timeout_ms is not None, "'all' unless timeout_ms is set "
-                                                                          "(the deadline it keeps)"),
+            ("admit", self.admit in DOORS, " or ".join(map(repr, DOORS))),
+            ("admit", not (self.admit in DOORS and DOORS[self.admit].needs_timeout) or self.timeout_ms is not None,
+             "a rule that keeps no deadline unless timeout_ms is set (the deadline it keeps)"),
         ):
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        misfit = PREFILLS[self.prefill].misfit(self)
+        if misfit:
+            raise ValueError(misfit)
 
     @property
     def cap(self) -> float:
@@ -105,12 +108,7 @@ class Limits:
 STRATEGIES: dict[str, type[Strategy]] = {}  # every rule by name, encoders and gen-*
 
 
-def register(cls: type[Strategy]) -> type[Strategy]:
-    taken = STRATEGIES.get(cls.name)
-    if taken is not None:
-        raise ValueError(f"strategy name {cls.name!r} is taken by {taken.__qualname__}")
-    STRATEGIES[cls.name] = cls
-    return cls
+register = registrar(STRATEGIES, "strategy")
 
 
 def strategy_names(kind: str | None = None) -> list[str]:
@@ -144,6 +142,7 @@ class Strategy:
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
         self.discipline = make_discipline(self.limits)  # who the queue hands out next, and who it sheds
+        self.door = make_door(self.limits)  # who may queue at all (admit=)
 
     @property
     def batch_cap(self) -> float:

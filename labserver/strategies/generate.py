@@ -7,8 +7,8 @@ their answers are everything that differs between one gen-* strategy and another
   (``order``: in what order the waiting are considered; ``fits``: how much KV memory one
   must find free to join);
 - ``compose(running)``: the model calls of one step, each built once the one before it
-  has been applied (eager: the newcomers' prompts, then one decode for everyone; chunked:
-  decodes and prompt pieces in one call);
+  has been applied: the prefill rule's (``labserver.strategies.steps``: eager, budget,
+  chunked, one class each);
 - ``victim(running)``: whom a call that finds no free KV block preempts;
 - ``leaving(running)``: who leaves the batch after a call.
 
@@ -18,17 +18,14 @@ the model; neither decides anything these methods decide.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol
 
 from .base import Admission, Clock, Limits, Queue, Strategy, register
 from .overload import make_scheduling
+from .steps import Call, make_prefill
 
 __all__ = ["Call", "GenContinuous", "GenHFContinuous", "GenNaive", "GenPaged", "GenStatic", "GenStrategy", "Running"]
-
-Call = tuple[str, list[tuple[Any, int]]]  # ("prefill" | "decode" | "mixed", [(sequence, tokens it computes)])
-
 
 class Running(Protocol):
     """The sequences admitted and not done, and the KV blocks they hold, as a rule sees them."""
@@ -69,12 +66,12 @@ class GenStrategy(Strategy):
 
     kind = "generate"
     offload = True  # every generation strategy keeps the model off the event loop
-    prefills: ClassVar[tuple[str, ...]] = ("eager", "budget")  # the Limits.prefill modes its rules compose
     joins_running: ClassVar[bool] = False  # admits beside running sequences at any step boundary (continuous)
 
     def __init__(self, limits: Limits | None = None) -> None:
         super().__init__(limits)
-        if self.limits.prefill not in self.prefills:
+        self.prefill = make_prefill(self.limits)  # how a step is composed
+        if self.prefill.joins_each_step and not self.joins_running:
             raise ValueError(f"prefill={self.limits.prefill!r} needs a strategy that joins at every step "
                              f"(gen-continuous, gen-paged), not {self.name}")
         if self.limits.queue not in ("fifo", "codel"):
@@ -101,15 +98,8 @@ class GenStrategy(Strategy):
         return running.reserved_blocks + wanted <= running.total_blocks
 
     def compose(self, running: Running) -> Iterator[Call]:
-        """One step, eager: the prompts of those not yet prefilled, whole, in one call; then one decode
-        for every running sequence (gen-static's finished ones too: computed as padding, as
-        ``model.generate`` computes a batch's finished rows). Each call is built when the one before
-        it has been applied, so the decode sees who the prefill finished or failed."""
-        joined = [s for s in running if not s.decoding]
-        if joined:
-            yield "prefill", [(s, s.pending) for s in joined]
-        if len(running):
-            yield "decode", [(s, 1) for s in running]
+        """One step's model calls, each built when the one before it has been applied: the prefill rule's."""
+        return self.prefill.compose(running)
 
     def victim(self, running: Running) -> Any:
         """Whom a step that finds no free block preempts: the most recently admitted (under reservation
@@ -180,13 +170,12 @@ class GenContinuous(GenStrategy):
     """
 
     name = "gen-continuous"
-    prefills = ("eager", "budget", "chunked")
     joins_running = True
 
     async def admit(self, queue: Queue, running: Running, clock: Clock) -> Admission:
         if not len(running):
             queue.putback(await queue.get())  # nothing to decode: wait for work
-        budget = self.limits.max_prefill_tokens if self.limits.prefill == "budget" else math.inf
+        budget = self.prefill.admit_tokens
         joining: list[Any] = []
         prompt_tokens = 0
         self.now, self.running_now = clock(), tuple(running)
@@ -202,19 +191,6 @@ class GenContinuous(GenStrategy):
             prompt_tokens += len(seq.prompt_ids)
         queue.take(joining)
         return joining, "join" if len(running) else "start"
-
-    def compose(self, running: Running) -> Iterator[Call]:
-        if self.limits.prefill != "chunked":
-            yield from super().compose(running)
-            return
-        decodes = [(s, 1) for s in running if s.decoding]  # decodes first: a stream never waits for a prompt
-        room = self.limits.max_step_tokens - len(decodes)
-        pieces = []
-        for seq in running:
-            if not seq.decoding and room > 0:
-                pieces.append((seq, min(seq.pending, room)))
-                room -= pieces[-1][1]
-        yield ("mixed" if decodes and pieces else "prefill" if pieces else "decode"), decodes + pieces
 
 
 @register

@@ -32,8 +32,11 @@ from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
-__all__ = ["DISCIPLINES", "SCHEDULING", "AdaptiveLIFO", "CoDel", "Discipline", "Fair", "FCFS", "FIFO", "LIFO",
-           "Priority", "Scheduling", "SLOAware", "make_discipline", "make_scheduling", "priority_of", "tenant_of"]
+from .registry import make, registrar
+
+__all__ = ["DISCIPLINES", "DOORS", "SCHEDULING", "AdaptiveLIFO", "CoDel", "DeadlineDoor", "Discipline", "Door", "Fair",
+           "FCFS", "FIFO", "LIFO", "Priority", "Scheduling", "SLOAware", "make_discipline", "make_door",
+           "make_scheduling", "priority_of", "tenant_of"]
 
 
 def priority_of(item: Any) -> int:
@@ -49,9 +52,7 @@ def tenant_of(item: Any) -> str:
 DISCIPLINES: dict[str, type[Discipline]] = {}
 
 
-def _discipline(cls: type[Discipline]) -> type[Discipline]:
-    DISCIPLINES[cls.name] = cls
-    return cls
+_discipline = registrar(DISCIPLINES, "queue discipline")
 
 
 class Discipline:
@@ -122,10 +123,44 @@ class CoDel(Discipline):
 
 
 def make_discipline(limits: Any) -> Discipline:
-    cls = DISCIPLINES.get(limits.queue)
-    if cls is None:
-        raise ValueError(f"unknown queue discipline {limits.queue!r}; choose one of: {', '.join(DISCIPLINES)}")
-    return cls(limits)
+    return make(DISCIPLINES, "queue discipline", limits.queue, limits)  # type: ignore[no-any-return]
+
+
+# -- the door: who may queue at all ----------------------------------------------------------
+
+DOORS: dict[str, type[Door]] = {}
+_door = registrar(DOORS, "admission rule")
+
+
+@_door
+class Door:
+    """``admit="all"``: every request may queue (``max_queue`` aside, which the engine keeps)."""
+
+    name: ClassVar[str] = "all"
+    needs_timeout: ClassVar[bool] = False  # it keeps a deadline: Limits asks for timeout_ms
+
+    def __init__(self, limits: Any) -> None:
+        self.limits = limits
+
+    def refuses(self, expected_ms: Any) -> float | None:
+        """The wait it expects (``expected_ms()``, ms) when that refuses the request now (503), else None."""
+        return None
+
+
+@_door
+class DeadlineDoor(Door):
+    """``admit="deadline"``: refused at once when the work ahead would answer it past ``timeout_ms``."""
+
+    name = "deadline"
+    needs_timeout = True
+
+    def refuses(self, expected_ms: Any) -> float | None:
+        wait_ms = float(expected_ms())
+        return wait_ms if wait_ms > self.limits.timeout_ms else None
+
+
+def make_door(limits: Any) -> Door:
+    return make(DOORS, "admission rule", limits.admit, limits)  # type: ignore[no-any-return]
 
 
 # -- generation scheduling policies ----------------------------------------------------------
@@ -133,9 +168,7 @@ def make_discipline(limits: Any) -> Discipline:
 SCHEDULING: dict[str, type[Scheduling]] = {}
 
 
-def _scheduling(cls: type[Scheduling]) -> type[Scheduling]:
-    SCHEDULING[cls.name] = cls
-    return cls
+_scheduling = registrar(SCHEDULING, "scheduling policy")
 
 
 class Scheduling:
@@ -272,7 +305,4 @@ class SLOAware(Scheduling):
 
 
 def make_scheduling(limits: Any) -> Scheduling:
-    cls = SCHEDULING.get(limits.scheduling)
-    if cls is None:
-        raise ValueError(f"unknown scheduling policy {limits.scheduling!r}; choose one of: {', '.join(SCHEDULING)}")
-    return cls(limits)
+    return make(SCHEDULING, "scheduling policy", limits.scheduling, limits)  # type: ignore[no-any-return]
