@@ -166,13 +166,13 @@ def generate_alone_served(model: Any, prompt: str, n: int, sampling: Any) -> Any
 class ReplayStream:
     """What Ray hands the ingress for one replica call: the events, in order (``cancel`` is a no-op)."""
 
-    def __init__(self, events: list[dict[str, Any]]) -> None:
+    def __init__(self, events: list[Any]) -> None:
         self.events = iter(events)
 
     def __aiter__(self) -> ReplayStream:
         return self
 
-    async def __anext__(self) -> dict[str, Any]:
+    async def __anext__(self) -> Any:
         import asyncio
 
         await asyncio.sleep(0)  # (as a real stream does, an event arrives after a turn of the loop)
@@ -188,7 +188,7 @@ class ReplayStream:
 class ReplayHandle:
     """A stand-in for the replicas' ``DeploymentHandle``: every ``generate`` call replays the same events."""
 
-    def __init__(self, events: list[dict[str, Any]]) -> None:
+    def __init__(self, events: list[Any]) -> None:
         self.events = events
         self.jobs: list[dict[str, Any]] = []
 

@@ -1,7 +1,7 @@
 """The ingress mirrors a replica's events into its own sequence: tokens, then log-probabilities, in order.
 
 No Ray here: the replica's events are replayed through a stand-in handle (``fakes.ReplayHandle``), so
-what crosses (``replicas.deploy._tokens`` on the replica, ``RemoteEngine`` at the ingress) is checked
+what crosses (``engine.output.Made`` from the replica, ``RemoteEngine`` at the ingress) is checked
 alone; ``test_replicas.py`` runs the real deployment.
 """
 
@@ -19,18 +19,19 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::F
 
 def test_logprobs_cross_from_a_replica_to_the_ingress_in_order() -> None:
     """A replica's events carry each token's log-probability (and echo's prompt ones) to the ingress's sequence."""
+    from labserver.engine.output import Done, Made, Placed
     from labserver.models import Logprob, Sampling, load_model
-    from labserver.replicas.deploy import _tokens
 
     model = load_model("gpt2-tiny-random", device="cpu")
     scoring = Sampling(logprobs=2, prompt_logprobs=2)
     made = generate_alone_served(model, "one two three", 5, scoring)  # what a replica's engine made
-    first = _tokens(made, 0)
-    events: list[dict[str, Any]] = [
-        {"replica": "r1"},
-        {"tokens": first["tokens"][:3], "logprobs": first["logprobs"][:3], "prompt_logprobs": made.prompt_logprobs},
-        {"tokens": made.tokens[3:], "logprobs": made.logprobs[3:]},
-        {"done": {"finish_reason": "length"}}]
+    first = Made.since(made, 0)
+    assert first.prefill_ms is not None and first.prompt_logprobs == made.prompt_logprobs
+    events: list[Any] = [
+        Placed("r1"),
+        Made(first.tokens[:3], first.logprobs[:3], made.prompt_logprobs, first.prefill_ms),  # type: ignore[index]
+        Made.since(made, 3),
+        Done("length")]
     seen = remote_answer(model, ReplayHandle(events), made.prompt_ids, 5, scoring)
     assert seen.tokens == made.tokens and seen.logprobs == made.logprobs and len(seen.logprobs) == 5
     assert seen.prompt_logprobs == made.prompt_logprobs and len(seen.prompt_logprobs) == len(made.prompt_ids) - 1

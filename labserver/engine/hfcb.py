@@ -378,14 +378,9 @@ class HFEngine(GenEngine):
         self.in_flight.remove(seq)
         if error is not None:
             self.counters.items_failed += 1
-            if not seq.future.done():
-                seq.future.set_exception(error)
+            seq.fail(error)
         elif reason is not None or seq.finished:
-            seq.finish_reason = seq.finish_reason or reason
-            if math.isnan(seq.finished_s):
-                seq.finished_s = self.clock()
+            seq.finish(self.clock(), reason)
             self.counters.finished[seq.finish_reason or "?"] += 1
-            if not seq.future.done():
-                seq.future.set_result(seq)
         else:
             self.counters.left_while_generating += 1

@@ -19,13 +19,19 @@ Stop strings. Earlier text holds no stop string (it was searched when it was new
 can only end inside the new text: the search covers the new text and the
 ``len(longest stop) - 1`` characters before it. With ``s`` stop strings of length at most
 ``L``, a token costs O(s x (L + its text)), and a whole answer time linear in its length.
+
+Events. Behind a router a replica's engine makes the tokens and the ingress's sequence
+mirrors them: the replica streams typed events (``Placed``, ``Made``, ``Done``, ``Failed``),
+and the ingress replays them into its own sequence (``labserver.replicas.remote``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["Detokenizer"]
+__all__ = ["Detokenizer", "Done", "Event", "Failed", "Made", "Placed"]
 
 
 class Detokenizer:
@@ -79,3 +85,57 @@ class Detokenizer:
                 self.text = (self.text + new)[:start + at]  # (it may begin in text already held)
                 return
         self.text += new
+
+
+# -- a sequence's events, as one process streams them to another (a replica to the ingress) ----------
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Which replica generates it (first of its events)."""
+
+    replica: str
+
+
+@dataclass(frozen=True)
+class Made:
+    """Tokens made since the last event, with their log-probabilities when asked for; the first carries its
+    prefill's own time and the prompt's log-probabilities (echo)."""
+
+    tokens: list[int]
+    logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] = field(default_factory=list)
+    prefill_ms: float | None = None
+
+    @classmethod
+    def since(cls, seq: Any, sent: int) -> Made:
+        """What ``seq`` made after its first ``sent`` tokens."""
+        first = {"prefill_ms": (seq.first_token_s - seq.admitted_s) * 1000,
+                 "prompt_logprobs": list(seq.prompt_logprobs)} if not sent else {}
+        return cls(seq.tokens[sent:], seq.logprobs[sent:] if seq.logprobs else None, **first)
+
+
+@dataclass(frozen=True)
+class Done:
+    """Answered: why it ended, and what its engine counted of it."""
+
+    finish_reason: str | None
+    steps: int = 0
+    step_batch_sum: int = 0
+    cached_tokens: int = 0
+    preemptions: int = 0
+
+    @classmethod
+    def of(cls, seq: Any) -> Done:
+        return cls(seq.finish_reason, seq.steps, seq.step_batch_sum, seq.cached_tokens, seq.preemptions)
+
+
+@dataclass(frozen=True)
+class Failed:
+    """It failed: labserver's error kind (``server.handling.ERROR_TABLE``) and the message a client may read."""
+
+    kind: str
+    message: str
+
+
+Event = Placed | Made | Done | Failed

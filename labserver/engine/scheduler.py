@@ -290,8 +290,7 @@ class Scheduler:
                 out, logprob = out.token, out.logprob
             if isinstance(out, Exception):
                 c.items_failed += 1
-                if not seq.future.done():
-                    seq.future.set_exception(out)
+                seq.fail(out)
                 failed.append(seq)
                 continue
             if seq.finished:  # held by gen-static: computed again in place, thrown away
@@ -329,8 +328,7 @@ class Scheduler:
         done = self.strategy.leaving(self.running)
         for seq in done:
             self.counters.finished[seq.finish_reason or "?"] += 1
-            if not seq.future.done():
-                seq.future.set_result(seq)
+            seq.finish(self.clock())
         self._leave(done)
 
     def _leave(self, seqs: list[Seq]) -> None:

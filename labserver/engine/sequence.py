@@ -139,6 +139,29 @@ class Seq:
                 self.output.finish()
         self.wake()
 
+    def finish(self, now: float, reason: str | None = None) -> bool:
+        """Answered: its finish reason (the one ``emit`` found, else ``reason``), its end time, the rest of its text;
+        its future settled with it. Every engine ends a sequence here. False when it was settled already (the
+        client left, a deadline, a failure)."""
+        self.finish_reason = self.finish_reason or reason
+        if math.isnan(self.finished_s):
+            self.finished_s = now
+        if self.output is not None:
+            self.output.finish()
+        self.wake()
+        if self.future.done():
+            return False
+        self.future.set_result(self)
+        return True
+
+    def fail(self, error: BaseException) -> bool:
+        """Failed with ``error`` (its route answers by the error's kind); False when it was settled already."""
+        self.wake()
+        if self.future.done():
+            return False
+        self.future.set_exception(error)
+        return True
+
     def wake(self) -> None:
         if self._wake is not None and not self._wake.done():
             self._wake.set_result(None)

@@ -27,6 +27,7 @@ import ray
 from ray import serve
 
 from ..config import ServerConfig
+from ..engine.output import Done, Failed, Made, Placed
 from ..models import Sampling
 from ..server import create_app
 from ..server.handling import describe
@@ -84,7 +85,8 @@ class ReplicaServer:
             await asyncio.sleep(REPORT_S)
 
     async def generate(self, job: dict[str, Any]) -> Any:
-        yield {"replica": self.id}
+        """The sequence's events (``labserver.engine.output``): where, what it made as it comes, how it ended."""
+        yield Placed(self.id)
         engine: Any = self.runtime.engine
         try:
             sampling = Sampling(**job["sampling"]) if job.get("sampling") else None
@@ -93,34 +95,25 @@ class ReplicaServer:
                                 min_tokens=job["min_tokens"], priority=job.get("priority", 0),
                                 tenant=job.get("tenant", ""))
         except Exception as e:
-            kind, message, _ = describe(e)
-            yield {"error": {"type": kind, "message": message}}
+            yield Failed(*describe(e)[:2])
             return
         sent = 0
         try:
             while True:
-                if len(seq.tokens) > sent:
-                    event: dict[str, Any] = _tokens(seq, sent)
-                    if not sent:  # its prefill's own time: the ingress splits TTFT into waiting and prefill
-                        event["prefill_ms"] = (seq.first_token_s - seq.admitted_s) * 1000
-                        if seq.prompt_logprobs:
-                            event["prompt_logprobs"] = seq.prompt_logprobs
-                    yield event
+                if len(seq.tokens) > sent:  # (the first: its prefill's own time, to split TTFT at the ingress)
+                    yield Made.since(seq, sent)
                     sent = len(seq.tokens)
                 if seq.future.done():
                     break
                 await asyncio.wait({seq.next_change(), seq.future}, return_when=asyncio.FIRST_COMPLETED)
             if len(seq.tokens) > sent:
-                yield _tokens(seq, sent)
+                yield Made.since(seq, sent)
             error = seq.future.exception() if not seq.future.cancelled() else None
             if error is not None:
-                kind, message, _ = describe(error)
-                yield {"error": {"type": kind, "message": message}}
+                yield Failed(*describe(error)[:2])
                 return
             self.runtime.statuses[200] += 1
-            yield {"done": {"finish_reason": seq.finish_reason, "steps": seq.steps,
-                            "step_batch_sum": seq.step_batch_sum, "cached_tokens": seq.cached_tokens,
-                            "preemptions": seq.preemptions}}
+            yield Done.of(seq)
         finally:
             seq.future.cancel()  # a no-op once answered; the ingress stopped reading: dropped at the next step
 
@@ -131,14 +124,6 @@ class ReplicaServer:
     async def __del__(self) -> None:
         self._report.cancel()
         await self.runtime.stop()
-
-
-def _tokens(seq: Any, sent: int) -> dict[str, Any]:
-    """The tokens made since ``sent``, with their log-probabilities when the request asked for them."""
-    event: dict[str, Any] = {"tokens": seq.tokens[sent:]}
-    if seq.logprobs:
-        event["logprobs"] = seq.logprobs[sent:]
-    return event
 
 
 @serve.deployment

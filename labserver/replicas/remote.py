@@ -12,38 +12,37 @@ At most ``max_in_flight`` sequences are out with replicas at once (what the repl
 hold); the rest wait in the ingress's queue, whose ``max_queue`` gives 503 with
 Retry-After, as a single server's does.
 
-A replica's events, one dict each: ``{"replica": id}`` first, then ``{"tokens": [...]}``
-(with ``logprobs`` when the request asked; the first also ``prefill_ms``, so ``x-queue-ms``
-counts everything before the replica's prefill, the ingress's queue, the router and the
-replica's queue, and the prompt's ``prompt_logprobs`` for echo), then ``{"done": {...}}``
-or ``{"error": {"type": ..., "message": ...}}``.
+A replica's events are typed (``labserver.engine.output``): ``Placed`` first, then ``Made``
+(tokens, with their log-probabilities when the request asked; the first also its prefill's own
+time, so ``x-queue-ms`` counts everything before the replica's prefill, the ingress's queue,
+the router and the replica's queue, and the prompt's log-probabilities for echo), then
+``Done`` or ``Failed`` (an error kind of ``server.handling.ERROR_TABLE``, raised here again as
+that table's exception: one table, both directions).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 from ..engine import GenEngine
-from ..engine.base import Expired, Overloaded, ShuttingDown
+from ..engine.base import Expired, ShuttingDown
 from ..engine.genbase import GenCounters
+from ..engine.output import Done, Failed, Made, Placed
 from ..engine.runner import WorkerDied
 from ..engine.sequence import Seq
-from ..models import InputRejected, ModelError
+from ..models import ModelError
+from ..server.handling import ERROR_TABLE
 
-__all__ = ["REPLICA_LOST", "RemoteEngine", "job_of", "raise_for"]
+__all__ = ["ERRORS", "REPLICA_LOST", "RemoteEngine", "job_of"]
 
 logger = logging.getLogger(__name__)
 
 REPLICA_LOST = "the replica generating this request stopped; retry"
-_ERRORS: dict[str, type[Exception]] = {"bad_request": InputRejected, "overloaded": Overloaded, "timeout": Expired,
-                                       "shutting_down": ShuttingDown, "model_unavailable": WorkerDied}
-
-
-def raise_for(error: dict[str, Any]) -> None:
-    """A replica's error event as the exception the routes answer (its type decides the status)."""
-    raise _ERRORS.get(error.get("type", ""), ModelError)(error.get("message", "the model failed"))
+ERRORS: dict[str, type[BaseException]] = {kind: exc for exc, kind, _, _ in ERROR_TABLE}  # a replica's error kind ->
+#   the exception the routes answer with the same status
 
 
 def job_of(seq: Seq) -> dict[str, Any]:
@@ -76,7 +75,7 @@ class RemoteEngine(GenEngine):
             seq = await self.queue.get()
             if seq.deadline_s < self.clock():
                 self.counters.expired_in_queue += 1
-                seq.future.set_exception(Expired("no replica took it within timeout_ms"))
+                seq.fail(Expired("no replica took it within timeout_ms"))
                 continue
             self.in_flight.append(seq)
             task = asyncio.get_running_loop().create_task(self._forward(seq), name=f"labserver-forward-{seq.sid}")
@@ -88,50 +87,48 @@ class RemoteEngine(GenEngine):
         stream = self.handle.options(stream=True).generate.remote(job_of(seq))
         try:  # (a client that leaves settles seq.future: _until stops reading, and Ray cancels the replica's work)
             async for event in _until(stream, seq.future):
-                if "replica" in event:
-                    seq.replica = event["replica"]
-                elif "tokens" in event:
-                    if not seq.tokens:
-                        self.counters.requests_prefilled += 1
-                        if "prefill_ms" in event:  # admitted = when its replica began its prefill, on this clock
-                            seq.admitted_s = self.clock() - event["prefill_ms"] / 1000
-                    seq.prompt_logprobs += event.get("prompt_logprobs", [])
-                    scores = event.get("logprobs") or [None] * len(event["tokens"])
-                    for token, logprob in zip(event["tokens"], scores, strict=True):
-                        seq.emit(token, self.clock(), None, logprob=logprob)
-                    self.counters.tokens_generated += len(event["tokens"])
-                elif "done" in event:
-                    self._finish(seq, event["done"])
-                elif "error" in event:
-                    raise_for(event["error"])
+                match event:
+                    case Placed(replica):
+                        seq.replica = replica
+                    case Made():
+                        self._made(seq, event)
+                    case Done():
+                        self._finish(seq, event)
+                    case Failed(kind, message):
+                        raise ERRORS.get(kind, ModelError)(message)
             if not seq.future.done():  # the stream ended without an ending: the replica is gone
                 raise WorkerDied(REPLICA_LOST)
         except asyncio.CancelledError:
-            if not seq.future.done():
-                seq.future.set_exception(ShuttingDown("server is shutting down; generation stopped"))
+            seq.fail(ShuttingDown("server is shutting down; generation stopped"))
             raise
-        except (InputRejected, Overloaded, Expired, ShuttingDown, WorkerDied, ModelError) as e:
-            if not seq.future.done():
-                seq.future.set_exception(e)
+        except tuple(ERRORS.values()) as e:
+            seq.fail(e)
         except Exception as e:  # a replica that died mid-call (Ray's RayActorError and kin): a clear 503
             logger.warning("request %s: replica %s lost: %s", seq.request_id, seq.replica or "?", e)
-            if not seq.future.done():
-                seq.future.set_exception(WorkerDied(REPLICA_LOST))
+            seq.fail(WorkerDied(REPLICA_LOST))
         finally:
             if seq.future.cancelled() and not seq.finished:
                 self.counters.left_while_generating += 1
             self.in_flight.remove(seq)
             self._room.set()
 
-    def _finish(self, seq: Seq, done: dict[str, Any]) -> None:
-        seq.finish_reason = done.get("finish_reason") or seq.finish_reason or "length"
-        seq.steps, seq.step_batch_sum = done.get("steps", 0), done.get("step_batch_sum", 0)
-        seq.cached_tokens, seq.preemptions = done.get("cached_tokens", 0), done.get("preemptions", 0)
-        seq.finished_s = self.clock()
+    def _made(self, seq: Seq, made: Made) -> None:
+        if not seq.tokens:
+            self.counters.requests_prefilled += 1
+            if made.prefill_ms is not None:  # admitted = when its replica began its prefill, on this clock
+                seq.admitted_s = self.clock() - made.prefill_ms / 1000
+        seq.prompt_logprobs += made.prompt_logprobs
+        for token, logprob in zip(made.tokens, made.logprobs or [None] * len(made.tokens), strict=True):
+            seq.emit(token, self.clock(), None, logprob=logprob)
+        self.counters.tokens_generated += len(made.tokens)
+
+    def _finish(self, seq: Seq, done: Done) -> None:
+        seq.finish_reason = done.finish_reason or seq.finish_reason or "length"
+        seq.steps, seq.step_batch_sum = done.steps, done.step_batch_sum
+        seq.cached_tokens, seq.preemptions = done.cached_tokens, done.preemptions
+        seq.finished_s = math.nan  # (ended now, on this clock: its replica's answer arrived)
         self.counters.finished[seq.finish_reason] += 1
-        if not seq.future.done():
-            seq.future.set_result(seq)
-        seq.wake()
+        seq.finish(self.clock())
 
     def cut_short(self) -> None:
         for task in list(self._tasks):
