@@ -8,7 +8,20 @@ from typing import Any
 from labserver.models import POISON, ModelError
 
 
-class GateModel:
+class PlainModel:
+    """An encoder model's side besides its call: every text is accepted, and it counts no tokens."""
+
+    name = "plain"
+    max_chars = None
+
+    def check(self, text: str) -> None:
+        pass
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        return [0] * len(texts)
+
+
+class GateModel(PlainModel):
     """A model whose calls block until the test opens the gate: events, not sleeps.
 
     ``entered`` is set when a call starts; ``computed`` lists every text that reached
@@ -16,7 +29,6 @@ class GateModel:
     """
 
     name = "gate"
-    max_chars = None
 
     def __init__(self) -> None:
         self.entered = threading.Event()
@@ -34,31 +46,18 @@ class GateModel:
         self.computed.extend(texts)
         return [{"text": t} for t in texts]
 
-    def check(self, text: str) -> None:
-        pass
-
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        return [0] * len(texts)
-
 
 class Crash(BaseException):
     """Not an Exception: kills whatever runs the model (as a hard fault would)."""
 
 
-class CrashModel:
+class CrashModel(PlainModel):
     name = "crash"
-    max_chars = None
 
     def __call__(self, texts: list[str]) -> list[Any]:
         if any("__crash__" in t for t in texts):
             raise Crash("simulated worker crash")
         return [{"text": t} for t in texts]
-
-    def check(self, text: str) -> None:
-        pass
-
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        return [0] * len(texts)
 
 
 class CallLog:

@@ -32,7 +32,7 @@ from labserver.strategies import Limits
 from labserver.models import POISON, ModelError, ModelLoadError, load_model, minilm_dir
 from labserver.strategies import STRATEGIES, make_strategy, strategy_names
 
-from .fakes import CrashModel
+from .fakes import CrashModel, PlainModel
 from .test_server import assert_error, wait_until
 
 ALL = strategy_names("encode")
@@ -41,11 +41,10 @@ INLINE = [s for s in ALL if not STRATEGIES[s].offload]
 SECRET = "/opt/internal/secret_module.py"
 
 
-class FaultyModel:
+class FaultyModel(PlainModel):
     """Fails per input: ModelError on POISON, a plain bug (naming an internal path) on __bug__."""
 
     name = "faulty"
-    max_chars = None
 
     def __call__(self, texts: list[str]) -> list[Any]:
         if any("__bug__" in t for t in texts):
@@ -54,18 +53,11 @@ class FaultyModel:
             raise ModelError(f"poisoned input seen in {SECRET}")
         return [{"text": t} for t in texts]
 
-    def check(self, text: str) -> None:
-        pass
 
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        return [0] * len(texts)
-
-
-class StepModel:
+class StepModel(PlainModel):
     """Each call announces its texts on ``calls`` and waits for one ``release``."""
 
     name = "step"
-    max_chars = None
 
     def __init__(self) -> None:
         self.calls: queue.Queue[list[str]] = queue.Queue()
@@ -78,12 +70,6 @@ class StepModel:
             raise RuntimeError("the test never released this call")
         self.computed.extend(texts)
         return [{"text": t} for t in texts]
-
-    def check(self, text: str) -> None:
-        pass
-
-    def count_tokens(self, texts: list[str]) -> list[int]:
-        return [0] * len(texts)
 
 
 def post_all(url: str, texts: list[str], path: str = "/") -> list[httpx.Response]:
