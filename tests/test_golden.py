@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from labserver.engine.virtual import simulate, simulate_gen
+from labserver.engine.gensim import simulate_gen
+from labserver.engine.virtual import simulate
 from labserver.strategies import Limits, make_strategy, strategy_names
 
 GOLDEN = Path(__file__).parent / "golden" / "steps.json.gz"  # (gzip: 4 MB of JSON)

@@ -15,7 +15,8 @@ import pytest
 import labserver
 from labserver import wire
 from labserver.engine.line import Line
-from labserver.engine.virtual import simulate, simulate_gen
+from labserver.engine.gensim import simulate_gen
+from labserver.engine.virtual import simulate
 from labserver.strategies import Limits, make_strategy
 from labserver.strategies.overload import DISCIPLINES, SCHEDULING, Fair, Priority, SLOAware
 

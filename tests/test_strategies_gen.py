@@ -10,7 +10,7 @@ import pytest
 from labserver.strategies import STRATEGIES, Limits
 from labserver.strategies import make_strategy, strategy_names
 from labserver.strategies.steps import PREFILLS
-from labserver.engine.virtual import GenSimRun, simulate_gen
+from labserver.engine.gensim import GenSimRun, simulate_gen
 
 LOCAL = ["gen-naive", "gen-static", "gen-continuous", "gen-paged"]  # the ones with a step log (gen-hf-cb runs transformers)
 

@@ -97,13 +97,15 @@ class BatchEngine(EngineBase):
     """An encoder strategy, a model callable, the queue and the batch worker."""
 
     def __init__(self, strategy: Strategy, model: Model, *, clock: Callable[[], float] = time.perf_counter,
-                 history: int = 20_000) -> None:
-        super().__init__(strategy, model, BatchCounters(), clock=clock)
+                 queue: Any = None, history: int | None = 20_000) -> None:
+        """``clock`` and ``queue`` are replaced on a virtual clock (``labserver.engine.virtual.simulate``), which
+        keeps every batch (``history=None``)."""
+        super().__init__(strategy, model, BatchCounters(), clock=clock, queue=queue)
         self.counters: BatchCounters
         self.batches: deque[BatchRecord] = deque(maxlen=history)  # the most recent batches
         self._ids = itertools.count(1)
         self.cost = BatchCost()  # model ms of a batch of n, fitted to the batches run: what admit="deadline" expects
-        self._busy_until_s = 0.0  # when the batch in the model is expected to be done
+        self.busy_until_s = 0.0  # when the batch in the model is expected to be done
 
     def submit(self, texts: list[str], request_id: str = "", *, priority: int = 0, tenant: str = "") -> list[Item]:
         """Queue one request's texts, all or nothing. Raises Overloaded/ShuttingDown/WorkerDied."""
@@ -138,7 +140,7 @@ class BatchEngine(EngineBase):
             tokens=sum(i.tokens for i in items),
             padded_tokens=max(i.tokens for i in items) * len(items),
         )
-        self._busy_until_s = now + self.cost(len(items)) / 1000
+        self.busy_until_s = now + self.cost(len(items)) / 1000
         for item in items:
             item.batch = record
             if item.deadline_s < now:  # live() (same clock reading) makes this impossible; count, don't assume
@@ -193,7 +195,7 @@ class BatchEngine(EngineBase):
         """The batch in the model, then everyone waiting and these ``n`` in full batches (first come, first
         served), at the cost fitted so far: when ``n`` more texts would be answered, from now."""
         return expected_wait_ms(self.cost, len(self.queue) + n, self.strategy.batch_cap,
-                                max(0.0, self._busy_until_s - self.clock()) * 1000 if self.in_flight else 0.0)
+                                max(0.0, self.busy_until_s - self.clock()) * 1000 if self.in_flight else 0.0)
 
     def batch_log(self, last: int | None = None) -> list[dict[str, Any]]:
         batches = list(self.batches)[-last:] if last else list(self.batches)

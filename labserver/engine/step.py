@@ -21,7 +21,7 @@ model owns the pool. The model runs on the model thread; tokens are handed to ea
 request's handler on the event loop after every call, through ``Seq.emit``. Every call
 is recorded (``StepRecord``): the Gantt and KV plots are drawn from these. Nothing here
 knows HTTP or torch; the same loop runs on a virtual clock
-(``labserver.engine.virtual.simulate_gen``).
+(``labserver.engine.gensim.simulate_gen``).
 """
 
 from __future__ import annotations
