@@ -8,7 +8,7 @@ import time
 import pytest
 
 from labserver.engine import BatchEngine, Expired, Overloaded, ShuttingDown, WorkerDied
-from labserver.engine.runner import run_isolating
+from labserver.engine.modelthread import run_isolating
 from labserver.strategies import Limits
 from labserver.models import POISON, ModelError, Synthetic, parse_synthetic
 from labserver.strategies import STRATEGIES, make_strategy, strategy_names

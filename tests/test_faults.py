@@ -211,7 +211,7 @@ def test_worker_death_is_noticed_and_nobody_hangs(strategy: str) -> None:
 def test_a_dying_model_thread_reports_its_death_before_it_fails_the_call() -> None:
     # whoever awaits the failed call must find the engine already dead (no request admitted in between):
     # the thread's callbacks are recorded and replayed in the order it scheduled them
-    from labserver.engine.runner import ModelThread, WorkerDied
+    from labserver.engine.modelthread import ModelThread, WorkerDied
 
     loop = asyncio.new_event_loop()
     scheduled: list[tuple[Any, tuple[Any, ...]]] = []

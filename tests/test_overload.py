@@ -18,7 +18,8 @@ from labserver.engine.line import Line
 from labserver.engine.gensim import simulate_gen
 from labserver.engine.virtual import simulate
 from labserver.strategies import Limits, make_strategy
-from labserver.strategies.overload import DISCIPLINES, SCHEDULING, Fair, Priority, SLOAware
+from labserver.strategies.queueing import DISCIPLINES
+from labserver.strategies.scheduling import SCHEDULING, Fair, Priority, SLOAware
 
 from .fakes import GateModel
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from ..config import DEFAULT_STRATEGY
 from ..strategies import Limits, strategy_names
-from ..strategies.overload import DISCIPLINES, SCHEDULING
+from ..strategies.queueing import DISCIPLINES
+from ..strategies.scheduling import SCHEDULING
 from ..strategies.steps import PREFILLS
 
 __all__ = ["add_load_args", "add_model_args", "add_strategy_args", "limits_from", "load_options",

@@ -1,15 +1,21 @@
 """Engines: the queue, the worker and the model, joined by a strategy.
 
+Shared by both wings:
+
 - ``base``: what every engine shares (queue, lifecycle, the door, counters, dropping the gone);
 - ``counters``: counters named once, where they are counted, with their help text;
-- ``batch``: ``BatchEngine``, encoders (one model call answers a batch of items);
-- ``genbase``: what the generation engines share (a request becomes a ``Seq``);
-- ``scheduler``: the ``Scheduler`` (waiting and running sequences, KV blocks, a plan per call,
-  every decision asked of the strategy) and ``step``: ``StepEngine``, the loop that runs its plans;
-- ``blocks``: the block manager (who holds which KV block); ``sequence``: one ``Seq``;
-- ``runner``: the model thread and failure isolation by splitting a batch;
-- ``hfcb``: ``HFEngine``, transformers' own continuous-batching manager as an engine (``gen-hf-cb``);
-- ``virtual``: any strategy's rule on a virtual clock (deterministic, instant, no HTTP).
+- ``line``: the waiting line; ``modelthread``: the model thread and failure isolation by splitting.
+
+Encoders (one model call answers a batch of items): ``batch`` (``BatchEngine``) and ``virtual``
+(an encoder rule on a virtual clock: the same worker, deterministic, instant, no HTTP).
+
+Generation (one model call per token): ``genbase`` (a request becomes a ``Seq``), ``scheduler``
+(the ``Scheduler``: waiting and running sequences, KV blocks, each model call as a list of
+sequences and the tokens each computes, every decision asked of the strategy), ``step``
+(``StepEngine``, the loop that runs its calls), ``sequence`` (one ``Seq``, and its one ending),
+``output`` (its text, decoded once; the typed events a replica streams), ``blocks`` (who holds
+which KV block), ``hfcb`` (``HFEngine``: transformers' own manager, ``gen-hf-cb``) and
+``gensim`` (a gen-* rule on a virtual clock: the same step loop).
 
 ``make_engine`` finds the engine a strategy runs on in ``ENGINES``, by the strategy's class
 (its nearest registered base). Nothing here knows HTTP.

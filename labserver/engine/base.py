@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from ..strategies import Strategy
 from .counters import Metric, count, gauge, metrics_of, tally
 from .line import Line
-from .runner import ModelThread, WorkerDied, settle
+from .modelthread import ModelThread, WorkerDied, settle
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A request's texts become ``Item``s on the queue. The worker asks the strategy fo
 next batch (``Strategy.collect``), drops items whose client left or whose deadline
 passed (``EngineBase.live``), runs the model (inline on the event loop, or on the
 model thread) and resolves each item's future with its output or its error. A batch
-that raises is split and retried (``labserver.engine.runner``), so one bad input
+that raises is split and retried (``labserver.engine.modelthread``), so one bad input
 fails alone. Every batch is recorded (``BatchRecord``).
 
 The model is any callable from a list of texts to a list of outputs.
@@ -25,7 +25,7 @@ from ..models import Model
 from ..strategies import BatchCost, Strategy
 from .base import Counters, EngineBase, ShuttingDown
 from .counters import count, sizes, tally
-from .runner import WorkerDied, isolating_steps, let_loop_run, run_isolating, settle
+from .modelthread import WorkerDied, isolating_steps, let_loop_run, run_isolating, settle
 
 __all__ = ["BatchCounters", "BatchEngine", "BatchRecord", "Item", "expected_wait_ms"]
 

@@ -3,7 +3,7 @@
 Every queue an engine reads (the live ``ItemQueue`` and the virtual clock's queues) keeps
 its waiting requests here, so that the same code decides who goes next in both. A
 request's class is its ``priority`` (lower first, 0 when it has none); within the best
-class that has anyone waiting, the strategy's discipline (``labserver.strategies.overload``)
+class that has anyone waiting, the strategy's discipline (``labserver.strategies.queueing``)
 picks who goes next and sheds whoever it refuses, at the moment a request is handed out or
 the waiting are read. The line remembers when it was last empty: what tells a standing
 queue from a passing burst.
@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..strategies.overload import FIFO, Discipline, priority_of
+from ..strategies.queueing import FIFO, Discipline, priority_of
 
 __all__ = ["Line"]
 

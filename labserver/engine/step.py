@@ -36,7 +36,7 @@ from ..strategies import GenStrategy
 from .blocks import BlockManager
 from .counters import Metric, gauge
 from .genbase import GenEngine, kv_budget_tokens
-from .runner import run_isolating
+from .modelthread import run_isolating
 from .scheduler import ModelCall, Running, Scheduler, StepCounters, StepRecord
 from .sequence import Seq
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..strategies import Strategy
-from ..strategies.overload import Door
+from ..strategies.queueing import Door
 from .batch import BatchEngine, BatchRecord, Item, expected_wait_ms
 from .line import Line
 

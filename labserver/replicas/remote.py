@@ -31,7 +31,7 @@ from ..engine import GenEngine
 from ..engine.base import Expired, ShuttingDown
 from ..engine.genbase import GenCounters
 from ..engine.output import Done, Failed, Made, Placed
-from ..engine.runner import WorkerDied
+from ..engine.modelthread import WorkerDied
 from ..engine.sequence import Seq
 from ..models import ModelError
 from ..server.handling import ERROR_TABLE

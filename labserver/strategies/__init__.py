@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from .base import (STRATEGIES, Admission, Batch, Clock, Limits, Queue, Strategy, describe, make_strategy, register,
                    strategy_names)
+from .queueing import BatchCost
 from .steps import PREFILLS, Call, PrefillRule, register_prefill
-from .encode import SLO, Adaptive, BatchCost, Deadline, Naive, PerFetch, Thread, Tokens
+from .encode import SLO, Adaptive, Deadline, Naive, PerFetch, Thread, Tokens
 from .generate import GenContinuous, GenHFContinuous, GenNaive, GenPaged, GenStatic, GenStrategy, Running
 
 __all__ = ["SLO", "STRATEGIES", "Adaptive", "Admission", "Batch", "BatchCost", "Call", "Clock", "Deadline", "GenContinuous",

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from .overload import DOORS, make_discipline, make_door
+from .queueing import DOORS, make_discipline, make_door
 from .registry import registrar
 from .steps import PREFILLS
 
@@ -61,7 +61,7 @@ class Limits:
     max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps under prefill="budget"
     max_step_tokens: int = 256  # tokens one step computes under prefill="chunked": a decode's 1 each, then prompts
     eos_prob: float = 0.0  # a stand-in for a trained model's EOS: each token ends its answer with this probability
-    # under overload (labserver.strategies.overload): who goes first, who is refused
+    # under overload (labserver.strategies.queueing, .scheduling): who goes first, who is refused
     queue: str = "fifo"  # queue discipline within a priority class: fifo, lifo, adaptive-lifo, codel
     codel_target_ms: float = 5.0  # codel: while a queue stands, shed whoever waited longer than this
     codel_interval_ms: float = 100.0  # a queue "stands" when it has not been empty for this long

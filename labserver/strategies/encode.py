@@ -6,12 +6,12 @@ and returns the batch and why it left. One model call answers it.
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Any, ClassVar
 
 from .base import Batch, Clock, Limits, Queue, Strategy, register
+from .queueing import BatchCost
 
-__all__ = ["SLO", "Adaptive", "BatchCost", "Deadline", "Naive", "PerFetch", "Thread", "Tokens"]
+__all__ = ["SLO", "Adaptive", "Deadline", "Naive", "PerFetch", "Thread", "Tokens"]
 
 
 
@@ -134,34 +134,6 @@ class Adaptive(Thread):
             batch.append(item)
         self.last = len(batch)
         return batch, reason
-
-
-class BatchCost:
-    """Model time of a batch of n, ``a + b * n`` ms, fitted by least squares to the last batches.
-
-    Until two sizes have been seen it assumes all of it scales with n (mean ms per item
-    * n): that overestimates large batches, so a rule built on it waits less, never more.
-    """
-
-    def __init__(self, window: int = 128) -> None:
-        self.points: deque[tuple[int, float]] = deque(maxlen=window)
-
-    def add(self, n: int, ms: float) -> None:
-        if n > 0 and math.isfinite(ms):
-            self.points.append((n, ms))
-
-    def __call__(self, n: int) -> float:
-        if not self.points:
-            return 0.0
-        ns = [p[0] for p in self.points]
-        ys = [p[1] for p in self.points]
-        mean_n, mean_y = sum(ns) / len(ns), sum(ys) / len(ys)
-        var = sum((x - mean_n) ** 2 for x in ns)
-        if var == 0:
-            return mean_y / mean_n * n
-        b = max(0.0, sum((x - mean_n) * (y - mean_y) for x, y in zip(ns, ys, strict=True)) / var)
-        a = max(0.0, mean_y - b * mean_n)
-        return a + b * n
 
 
 @register

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol
 
 from .base import Admission, Clock, Limits, Queue, Strategy, register
-from .overload import make_scheduling
+from .scheduling import make_scheduling
 from .steps import Call, make_prefill
 
 __all__ = ["Call", "GenContinuous", "GenHFContinuous", "GenNaive", "GenPaged", "GenStatic", "GenStrategy", "Running"]
