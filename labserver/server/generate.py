@@ -19,22 +19,20 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from .. import wire
-from ..engine import GenEngine, Seq
+from ..engine import Seq
 from ..models import GenModel
-from .handling import (ClientError, ClientWatch, FastJSON, answer, check_text, deadline_end_s, error_body, parse_json,
-                       request_class)
+from .handling import ClientError, FastJSON, answer, check_text, error_body, parse_json, request_class
 from .runtime import Runtime
-from .streaming import write_stream
+from .streaming import generation_engine, wait_all, wait_first_token, write_stream
 
-__all__ = ["GenParams", "generation_engine", "parse_generate", "post_generate", "result_body", "timing", "wait_all",
-           "wait_first_token"]
+__all__ = ["GenParams", "parse_generate", "post_generate", "result_body", "timing"]
 
 DEFAULT_MAX_NEW_TOKENS = 64
 _FIELDS = {"prompt": str, "max_new_tokens": int, "stream": bool, "ignore_eos": bool}
@@ -68,40 +66,6 @@ def parse_generate(body: bytes, max_new_tokens_cap: int, max_chars: int) -> GenP
         raise ClientError("bad_request", f'"max_new_tokens" must be between 1 and {max_new_tokens_cap} '
                                          f"(the server's cap), got {params.max_new_tokens}")
     return params
-
-
-def generation_engine(rt: Runtime, why: str) -> GenEngine:
-    """The server's engine, asked whether it generates; if not, a 400 that says ``why``."""
-    if rt.engine is None or rt.engine.kind != "generate":
-        raise ClientError("bad_request", why)
-    return cast(GenEngine, rt.engine)
-
-
-async def wait_first_token(rt: Runtime, request: Request, seq: Seq, t0: float) -> None:
-    """Until the sequence has a token or an outcome; the deadline (timeout_ms) and the client may end it first."""
-    why = f"no first token within timeout_ms={rt.config.limits.timeout_ms}"
-    try:
-        async with ClientWatch(request) as watch:
-            while not seq.tokens:
-                if seq.future.done():
-                    seq.future.result()  # raises what ended it (504 in queue, 500, 503)
-                    return
-                await watch.first({seq.next_change(), seq.future}, deadline_end_s(rt, t0), why)
-    except BaseException:
-        seq.future.cancel()  # queued: never prefilled; running: dropped at the next step
-        raise
-
-
-async def wait_all(request: Request, seq: Seq) -> None:
-    """Until the sequence is answered (finished, or failed mid-way); a client that leaves ends it."""
-    try:
-        async with ClientWatch(request) as watch:
-            while not seq.future.done():
-                await watch.first({seq.future})
-        seq.future.result()
-    except BaseException:
-        seq.future.cancel()
-        raise
 
 
 def result_body(model: GenModel, seq: Seq, t0: float, now: float) -> dict[str, Any]:

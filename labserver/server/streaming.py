@@ -11,6 +11,9 @@ of
   so the engine drops them at the next step boundary.
 
 ``write_stream`` is that loop; an API only says how its pieces look (a ``Renderer``).
+Before it, both APIs wait the same way: ``wait_first_token`` (the deadline and the client
+may end it first: until then every failure is an ordinary JSON error) and, for a one-piece
+answer, ``wait_all``; ``generation_engine`` is the server's engine, if it generates.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
+
+from starlette.requests import Request
 
 from .. import wire
-from .handling import describe, log_failure
+from ..engine import GenEngine, Seq
+from .handling import ClientError, ClientWatch, deadline_end_s, describe, log_failure
 from .runtime import Runtime
 
-__all__ = ["Renderer", "failure", "write_stream"]
+__all__ = ["Renderer", "failure", "generation_engine", "wait_all", "wait_first_token", "write_stream"]
 
 
 class Renderer(Protocol):
@@ -80,3 +86,37 @@ async def write_stream(rt: Runtime, seqs: list[Any], rid: str, t0: float, render
             seq.future.cancel()  # a no-op once answered; a client that left mid-stream frees its place
         if not answered:
             rt.statuses[499] += 1  # it began as a 200, but its client left: one outcome, counted once
+
+
+def generation_engine(rt: Runtime, why: str) -> GenEngine:
+    """The server's engine, asked whether it generates; if not, a 400 that says ``why``."""
+    if rt.engine is None or rt.engine.kind != "generate":
+        raise ClientError("bad_request", why)
+    return cast(GenEngine, rt.engine)
+
+
+async def wait_first_token(rt: Runtime, request: Request, seq: Seq, t0: float) -> None:
+    """Until the sequence has a token or an outcome; the deadline (timeout_ms) and the client may end it first."""
+    why = f"no first token within timeout_ms={rt.config.limits.timeout_ms}"
+    try:
+        async with ClientWatch(request) as watch:
+            while not seq.tokens:
+                if seq.future.done():
+                    seq.future.result()  # raises what ended it (504 in queue, 500, 503)
+                    return
+                await watch.first({seq.next_change(), seq.future}, deadline_end_s(rt, t0), why)
+    except BaseException:
+        seq.future.cancel()  # queued: never prefilled; running: dropped at the next step
+        raise
+
+
+async def wait_all(request: Request, seq: Seq) -> None:
+    """Until the sequence is answered (finished, or failed mid-way); a client that leaves ends it."""
+    try:
+        async with ClientWatch(request) as watch:
+            while not seq.future.done():
+                await watch.first({seq.future})
+        seq.future.result()
+    except BaseException:
+        seq.future.cancel()
+        raise

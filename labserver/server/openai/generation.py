@@ -35,10 +35,9 @@ from starlette.responses import Response, StreamingResponse
 from ... import wire
 from ...engine import Seq
 from ...models import GenModel, Sampling
-from ..generate import generation_engine, wait_all, wait_first_token
 from ..handling import FastJSON, answer, request_class
 from ..runtime import Runtime
-from ..streaming import write_stream
+from ..streaming import generation_engine, wait_all, wait_first_token, write_stream
 from .catalog import check_model, served_name
 from .errors import openai_error_body, openai_failure
 from .logprobs import chat_logprobs, completion_logprobs, prompt_entries
