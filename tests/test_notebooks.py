@@ -59,12 +59,14 @@ def test_notebook_runs(path: Path) -> None:
 
 
 def test_lab_doctests() -> None:
-    """labserver.lab serves the notebooks; its docstring examples are checked with them."""
+    """labserver.lab serves the notebooks (with what it re-exports); their docstring examples are checked here."""
     from labserver import lab
+    from labserver.experiments import modeltime, simulated
     from labserver.lab import claims
+    from labserver.load import prompts
 
-    assert doctest.testmod(lab).failed == 0
-    assert doctest.testmod(claims).failed == 0
+    for module in (lab, claims, modeltime, simulated, prompts):
+        assert doctest.testmod(module).failed == 0, module.__name__
 
 
 def outputs_text(nb: nbformat.NotebookNode) -> list[str]:

