@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 from starlette.requests import Request
@@ -51,36 +51,92 @@ _FINISH = {"length": "length", "eos": "stop", "stop": "stop"}  # engine's reason
 
 @dataclass
 class _Reply:
-    """What every chunk and the answer of one request share."""
+    """What every chunk and the answer of one request share; each API's shapes are a subclass (``API``)."""
 
     req: GenRequest
     rid: str
     model: str
     created: int  # unix s
+    object: ClassVar[str]  # the answer's "object"
+    chunk_object: ClassVar[str]  # a stream chunk's
+    id_prefix: ClassVar[str]
+    chat: ClassVar[bool] = False  # its request is a conversation (messages, the model's chat template)
+    opens_with_role: ClassVar[bool] = False  # the stream's first chunk goes out even with no text (its role)
 
-    @property
-    def object(self) -> str:
-        return "chat.completion" if self.req.chat else "text_completion"
+    @staticmethod
+    def default_max_tokens(room: int) -> int:
+        """Tokens to generate when the request says nothing (``room``: what the context leaves)."""
+        raise NotImplementedError
 
     def head(self, chunk: bool) -> dict[str, Any]:
-        prefix = "chatcmpl-" if self.req.chat else "cmpl-"
-        kind = self.object + (".chunk" if chunk and self.req.chat else "")
-        return {"id": prefix + self.rid, "object": kind, "created": self.created, "model": self.model}
+        return {"id": self.id_prefix + self.rid, "object": self.chunk_object if chunk else self.object,
+                "created": self.created, "model": self.model}
 
     def choice(self, index: int, text: str, finish: str | None, *, first: bool = False,
                stop_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One choice of a stream chunk (chat: a delta) or of a completions answer."""
-        if not self.req.chat:
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                    "stop_reason": stop_reason}
-        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        """One choice of a stream chunk."""
+        raise NotImplementedError
+
+    def answer(self, index: int, prompt: str, text: str, finish: str, stop_reason: str | None,
+               logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        """One choice of the one-piece answer."""
+        raise NotImplementedError
+
+    def logprobs(self, model: GenModel, entries: list[Any], offset: int) -> dict[str, Any]:
+        """Log-probabilities in this API's shape (``offset``: the text offset of the first, completions only)."""
+        raise NotImplementedError
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         doc = {**self.head(True), "choices": choices}
         if self.req.include_usage:
             doc["usage"] = usage
         return wire.SSE_DATA + orjson.dumps(doc) + b"\n\n"
+
+
+class _Completions(_Reply):
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    @staticmethod
+    def default_max_tokens(room: int) -> int:
+        return COMPLETION_DEFAULT_MAX_TOKENS  # (OpenAI's default)
+
+    def choice(self, index: int, text: str, finish: str | None, *, first: bool = False,
+               stop_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": stop_reason}
+
+    def answer(self, index: int, prompt: str, text: str, finish: str, stop_reason: str | None,
+               logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return self.choice(index, prompt + text if self.req.echo else text, finish, logprobs=logprobs,
+                           stop_reason=stop_reason)
+
+    def logprobs(self, model: GenModel, entries: list[Any], offset: int) -> dict[str, Any]:
+        return completion_logprobs(model, entries, offset)
+
+
+class _Chat(_Reply):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+    chat = opens_with_role = True
+
+    @staticmethod
+    def default_max_tokens(room: int) -> int:
+        return room  # (as vLLM: what the context leaves)
+
+    def choice(self, index: int, text: str, finish: str | None, *, first: bool = False,
+               stop_reason: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+    def answer(self, index: int, prompt: str, text: str, finish: str, stop_reason: str | None,
+               logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": logprobs, "finish_reason": finish}
+
+    def logprobs(self, model: GenModel, entries: list[Any], offset: int) -> dict[str, Any]:
+        return chat_logprobs(model, entries)
 
 
 def usage(seqs: list[Seq]) -> dict[str, Any]:
@@ -114,10 +170,9 @@ class _Scores:
         if not entries:
             return None
         self.sent = len(seq.logprobs)
-        if self.reply.req.chat:
-            return chat_logprobs(self.model, entries)
-        out = completion_logprobs(self.model, entries, offset)
-        self.offset = out["text_offset"][-1] + len(out["tokens"][-1])
+        out = self.reply.logprobs(self.model, entries, offset)
+        if "text_offset" in out:  # (completions: where the next one's text begins)
+            self.offset = out["text_offset"][-1] + len(out["tokens"][-1])
         return out
 
 
@@ -133,13 +188,13 @@ def chat_template(model: GenModel) -> Callable[[list[dict[str, str]]], str] | No
     return lambda messages: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float, *, chat: bool) -> Response:
+async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float, *, api: type[_Reply]) -> Response:
     engine = generation_engine(rt, f"this server runs the encoder strategy {rt.strategy.name}: it answers "
                                    f"{wire.V1_EMBEDDINGS_PATH}; completions need a gen-* strategy")
     model: GenModel = rt.model  # type: ignore[assignment]
     cfg = rt.config
-    req = parse_request(body, chat=chat, max_chars=cfg.max_chars, max_tokens_cap=cfg.max_new_tokens,
-                        max_prompts=cfg.max_inputs, template=chat_template(model) if chat else None)
+    req = parse_request(body, chat=api.chat, max_chars=cfg.max_chars, max_tokens_cap=cfg.max_new_tokens,
+                        max_prompts=cfg.max_inputs, template=chat_template(model) if api.chat else None)
     check_model(rt, req.model)
     prompts = [model.encode(p) for p in req.prompts]  # InputRejected: 400
     priority, tenant = request_class(request, req.priority)
@@ -148,8 +203,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
     try:
         for text, ids in zip(req.prompts, prompts, strict=True):
             room = max(1, model.max_context - len(ids))
-            default = COMPLETION_DEFAULT_MAX_TOKENS if not chat else room
-            limit = req.max_tokens or min(default, room, cfg.max_new_tokens)
+            limit = req.max_tokens or min(api.default_max_tokens(room), room, cfg.max_new_tokens)
             first = None
             for j in range(req.n):
                 seq = engine.submit(ids, limit, ignore_eos=req.ignore_eos, request_id=rid,
@@ -164,7 +218,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
         for seq in seqs:
             seq.future.cancel()  # the ones queued are never prefilled; the running ones leave at the next step
         raise
-    reply = _Reply(req, rid, served_name(rt), int(time.time()))
+    reply = api(req, rid, served_name(rt), int(time.time()))
     headers = {wire.HEADER_REQUEST_ID: rid,
                wire.HEADER_QUEUE_MS: f"{(seqs[0].admitted_s - seqs[0].enqueued_s) * 1000:.3f}"}
     if req.ignored:
@@ -182,13 +236,8 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
         text = _text(seq)
         piece = text.push(True)
         reason = finish_reason(seq, text)
-        scores = _Scores(reply, model, seq, prompt).pending()
-        if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": piece, "refusal": None},
-                            "logprobs": scores, "finish_reason": reason})
-        else:
-            choices.append(reply.choice(i, prompt + piece if req.echo else piece, reason, logprobs=scores,
-                                        stop_reason=_stop_reason(text)))
+        choices.append(reply.answer(i, prompt, piece, reason, _stop_reason(text),
+                                    _Scores(reply, model, seq, prompt).pending()))
     now = time.perf_counter()
     rt.answered(now - t0)
     return FastJSON({**reply.head(False), "choices": choices, "usage": usage(seqs)},
@@ -233,7 +282,7 @@ class _Chunks:
             scores = self.scores[i].pending()
             if self.echo[i]:
                 piece, self.echo[i] = self.echo[i] + piece, ""
-            if piece or reason or scores or (self.first and req.chat):
+            if piece or reason or scores or (self.first and self.reply.opens_with_role):
                 choices.append(self.reply.choice(i, piece, reason, first=self.first, logprobs=scores,
                                                  stop_reason=_stop_reason(text) if reason else None))
             if ended:
@@ -255,8 +304,8 @@ class _Chunks:
 
 
 async def post_completions(request: Request) -> Response:
-    return await answer(request, lambda *a: _work(*a, chat=False), openai_failure)
+    return await answer(request, lambda *a: _work(*a, api=_Completions), openai_failure)
 
 
 async def post_chat(request: Request) -> Response:
-    return await answer(request, lambda *a: _work(*a, chat=True), openai_failure)
+    return await answer(request, lambda *a: _work(*a, api=_Chat), openai_failure)
