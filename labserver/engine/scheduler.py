@@ -37,7 +37,7 @@ from .counters import count, sizes
 from .genbase import GenCounters
 from .sequence import Seq
 
-__all__ = ["ModelCall", "Running", "Scheduler", "StepCounters", "StepRecord"]
+__all__ = ["ModelCall", "RunningSeqs", "Scheduler", "StepCounters", "StepRecord"]
 
 Work = list[tuple[Seq, int]]  # a model call: each sequence and how many of its pending tokens it computes
 
@@ -92,8 +92,9 @@ class ModelCall:
         return len(self.decoding) < len(self.work)
 
 
-class Running:
-    """The sequences admitted and not yet done, and the KV blocks they hold, as a rule sees them."""
+class RunningSeqs:
+    """The sequences admitted and not yet done, and the KV blocks they hold: what a rule sees as ``Running``
+    (``labserver.strategies.generate.Running``, the protocol this implements)."""
 
     def __init__(self, blocks: BlockManager, preempt: Callable[[Seq], None] = lambda seq: None) -> None:
         self.seqs: list[Seq] = []  # in admission order: the last one is the newest
@@ -149,7 +150,7 @@ class Scheduler:
         """``live`` drops the gone and answers the expired (the engine's door); ``emit`` hands a token over."""
         self.strategy, self.queue, self.blocks, self.counters = strategy, queue, blocks, counters
         self.clock, self.live, self.emit = clock, live, emit
-        self.running = Running(blocks, self._displace)
+        self.running = RunningSeqs(blocks, self._displace)
         self._displaced: list[Seq] = []  # preempted at admission for a higher class: shown on the next call
         self.released: list[int] = []  # sequences whose KV the model may drop, until the engine tells it
         self.steps: deque[StepRecord] = deque(maxlen=history)
@@ -251,7 +252,7 @@ class Scheduler:
         return preempted
 
     def _displace(self, victim: Seq) -> None:
-        """A newcomer of a higher class takes a running sequence's place (``Running.preempt``)."""
+        """A newcomer of a higher class takes a running sequence's place (``RunningSeqs.preempt``)."""
         self._requeue(victim)
         self.counters.preempted_for_priority += 1
         self._displaced.append(victim)

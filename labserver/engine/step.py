@@ -37,12 +37,12 @@ from .blocks import BlockManager
 from .counters import Metric, gauge
 from .genbase import GenEngine, kv_budget_tokens
 from .modelthread import run_isolating
-from .scheduler import ModelCall, Running, Scheduler, StepCounters, StepRecord
+from .scheduler import ModelCall, RunningSeqs, Scheduler, StepCounters, StepRecord
 from .sequence import Seq
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Running", "Seq", "StepCounters", "StepEngine", "StepRecord", "kv_budget_tokens"]
+__all__ = ["RunningSeqs", "Seq", "StepCounters", "StepEngine", "StepRecord", "kv_budget_tokens"]
 
 class StepEngine(GenEngine):
     """One generation strategy, one generative model, the queue, the scheduler, and the loop over calls."""
@@ -66,7 +66,7 @@ class StepEngine(GenEngine):
         self.in_flight = self.scheduler.running.seqs  # (the same list) what drain waits for and a dying worker fails
 
     @property
-    def running(self) -> Running:
+    def running(self) -> RunningSeqs:
         return self.scheduler.running
 
     @property

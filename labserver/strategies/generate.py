@@ -78,17 +78,14 @@ class GenStrategy(Strategy):
             raise ValueError(f"queue={self.limits.queue!r} is an encoder discipline; generation orders its waiting "
                              "by scheduling= (fcfs, priority, fair, slo)")
         self.scheduling = make_scheduling(self.limits)  # the order of the waiting, who may be displaced
-        self.now = 0.0  # the clock at the last admission (the scheduling policy's now)
 
     async def admit(self, queue: Queue, running: Running, clock: Clock) -> Admission:
         raise NotImplementedError
 
-    def order(self, waiting: list[Any]) -> list[Any]:
+    def order(self, waiting: list[Any], running: Running, now: float) -> list[Any]:
         """The order in which the waiting are considered for admission: the scheduling policy's
         (``fcfs``: priority classes, then first come, first served)."""
-        return self.scheduling.arrange(waiting, self.running_now, self.now)
-
-    running_now: tuple[Any, ...] = ()  # the running, as of the last admission (what ``order`` may weigh)
+        return self.scheduling.arrange(waiting, tuple(running), now)
 
     def fits(self, seq: Any, running: Running, joining: list[Any]) -> bool:
         """Reservation: blocks for its prompt and all it may generate, held from admission to its end."""
@@ -178,8 +175,7 @@ class GenContinuous(GenStrategy):
         budget = self.prefill.admit_tokens
         joining: list[Any] = []
         prompt_tokens = 0
-        self.now, self.running_now = clock(), tuple(running)
-        for seq in self.order(queue.waiting()):
+        for seq in self.order(queue.waiting(), running, clock()):
             over_budget = joining and prompt_tokens + len(seq.prompt_ids) > budget
             if over_budget:
                 break
