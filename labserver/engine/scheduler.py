@@ -35,7 +35,7 @@ from ..strategies.generate import Call
 from .blocks import BlockManager
 from .counters import count, sizes
 from .genbase import GenCounters
-from .sequence import Seq
+from .sequence import Seq, Status
 
 __all__ = ["ModelCall", "RunningSeqs", "Scheduler", "StepCounters", "StepRecord"]
 
@@ -224,7 +224,7 @@ class Scheduler:
                 for back in reversed(seqs[i:]):
                     self.queue.putback(back)
                 return seqs[:i]
-            seq.computed, seq.seen = hit, False
+            seq.computed, seq.status = hit, Status.PREFILLING
             if math.isnan(seq.admitted_s):  # its first admission (a preempted one keeps its first times)
                 seq.admitted_s = now
                 c.prompt_tokens += len(seq.prompt_ids)
@@ -262,7 +262,7 @@ class Scheduler:
         self.running.seqs.remove(victim)
         self.blocks.release(victim.sid)
         self.released.append(victim.sid)
-        victim.computed, victim.seen = 0, False
+        victim.computed, victim.status = 0, Status.WAITING
         if victim.wants_prompt_scores:  # scored in part: scored again from the start when recomputed
             victim.prompt_logprobs.clear()
         victim.preemptions += 1
@@ -300,7 +300,6 @@ class Scheduler:
             if not seq.tokens and seq.computed + n == seq.kv_tokens:
                 c.requests_prefilled += 1
             seq.computed += n
-            seq.seen = True
             self.blocks.computed(seq.sid, seq.context, seq.computed)
             if out is not None:
                 if seq.sid in decoding:
@@ -308,6 +307,8 @@ class Scheduler:
                     seq.step_batch_sum += len(plan.work)
                 self.emit(seq, out, end_s, logprob)
                 c.tokens_generated += 1
+            seq.status = (Status.FINISHED if seq.finished else
+                          Status.DECODING if seq.tokens and seq.pending == 1 else Status.PREFILLING)
             self.strategy.scheduling.served(seq, 0 if seq.sid in decoding else n, 1 if seq.sid in decoding else 0)
         if decoding:  # a decode step (or a mixed one: chunked prefill)
             self.strategy.scheduling.observe_step(len(plan.work), (end_s - start_s) * 1000)

@@ -15,13 +15,23 @@ import math
 import random
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from ..models import Sampling
 from ..models.base import Logprob, position_seed
 from .output import Detokenizer
 
-__all__ = ["Seq"]
+__all__ = ["Seq", "Status"]
+
+
+class Status(Enum):
+    """Where a sequence is, as the scheduler keeps it."""
+
+    WAITING = "waiting"  # queued (or preempted and queued again): nothing of it in the KV cache
+    PREFILLING = "prefilling"  # admitted: its prompt (or a piece, or a recompute) is being computed
+    DECODING = "decoding"  # only its last token lacks KV: one decode step makes the next
+    FINISHED = "finished"  # answered (gen-static computes it again as padding until its batch is done)
 
 
 @dataclass(eq=False)
@@ -45,7 +55,7 @@ class Seq:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "length" | "eos" | "stop" once finished
     computed: int = 0  # positions (prompt, then tokens) whose keys and values are in the KV cache
-    seen: bool = False  # in a model call since it was (last) admitted: a preempted one is prefilled first
+    status: Status = Status.WAITING  # the scheduler's: set at admission, preemption and after each call
     preemptions: int = 0  # times its blocks were taken back and it was requeued to be recomputed
     admitted_s: float = math.nan  # its first prefill started
     first_token_s: float = math.nan
@@ -84,12 +94,10 @@ class Seq:
 
     @property
     def decoding(self) -> bool:
-        """Prefilled: only its last token lacks KV, so one decode step makes the next.
-
-        A preempted sequence whose prefix cache hit leaves only its last token pending is not
-        decoding yet: the model has released it, so that token is a prefill.
-        """
-        return self.seen and bool(self.tokens) and self.pending == 1
+        """Its next call computes one token, its last, in a decode step: it is decoding, or finished and held (a
+        static batch computes it as padding). A preempted sequence whose prefix cache hit leaves only its last
+        token pending is prefilling, not decoding: the model has released it, so that token is a prefill."""
+        return self.status is Status.DECODING or self.status is Status.FINISHED
 
     @property
     def finished(self) -> bool:
@@ -144,6 +152,7 @@ class Seq:
         its future settled with it. Every engine ends a sequence here. False when it was settled already (the
         client left, a deadline, a failure)."""
         self.finish_reason = self.finish_reason or reason
+        self.status = Status.FINISHED
         if math.isnan(self.finished_s):
             self.finished_s = now
         if self.output is not None:
