@@ -92,11 +92,11 @@ def serve_replicas(config: ServerConfig, replicas: int, router: str = "pow2", *,
     from .deploy import Board, Ingress, ReplicaServer
     from .routers import router_class
 
-    from ..strategies import make_strategy
+    from ..strategies import GenStrategy, make_strategy
 
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
-    if make_strategy(config.strategy, config.limits).kind != "generate":
+    if not isinstance(make_strategy(config.strategy, config.limits), GenStrategy):
         raise ValueError(f"replicas serve generation (a gen-* strategy); {config.strategy} is an encoder strategy")
     path = router_class(router)  # ValueError before anything starts
     if config.limits.max_batch_size is None:

@@ -22,7 +22,7 @@ from typing import Any
 from ..config import ServerConfig
 from ..engine import EngineBase, make_engine
 from ..models import GenModel, Model, ModelLoadError, load_model
-from ..strategies import make_strategy, strategy_names
+from ..strategies import GenStrategy, make_strategy, strategy_names
 from .looplag import LagMonitor
 
 logger = logging.getLogger(__name__)
@@ -59,12 +59,12 @@ class Runtime:
 
     async def _load(self) -> None:
         cfg = self.config
-        generate = self.strategy.kind == "generate"
+        generate = isinstance(self.strategy, GenStrategy)
         try:
             if self.model is None:
                 self.model = await asyncio.to_thread(load_model, cfg.model, device=cfg.device, dtype=cfg.dtype,
                                                      task=cfg.task, kind=self.strategy.kind,
-                                                     paged=getattr(self.strategy, "paged", True))
+                                                     paged=self.strategy.paged)
             if generate != isinstance(self.model, GenModel):
                 raise ModelLoadError(_mismatch(self.strategy.name, cfg.model, generate))
         except ModelLoadError as e:

@@ -138,6 +138,7 @@ class Strategy:
     name: ClassVar[str] = ""
     offload: ClassVar[bool] = False  # True: the model runs on its own thread, the loop stays free
     kind: ClassVar[str] = "encode"  # "encode" | "generate": which engine and which endpoint serve it
+    paged: ClassVar[bool] = True  # generation: labserver's own forward pass runs the model (gen-hf-cb: transformers')
 
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
