@@ -31,6 +31,7 @@ from ..engine.output import Done, Failed, Made, Placed
 from ..models import Sampling
 from ..server import create_app
 from ..server.handling import describe
+from ..server.streaming import write_stream
 from ..server.runtime import Runtime
 from .remote import RemoteEngine
 
@@ -97,25 +98,10 @@ class ReplicaServer:
         except Exception as e:
             yield Failed(*describe(e)[:2])
             return
-        sent = 0
-        try:
-            while True:
-                if len(seq.tokens) > sent:  # (the first: its prefill's own time, to split TTFT at the ingress)
-                    yield Made.since(seq, sent)
-                    sent = len(seq.tokens)
-                if seq.future.done():
-                    break
-                await asyncio.wait({seq.next_change(), seq.future}, return_when=asyncio.FIRST_COMPLETED)
-            if len(seq.tokens) > sent:
-                yield Made.since(seq, sent)
-            error = seq.future.exception() if not seq.future.cancelled() else None
-            if error is not None:
-                yield Failed(*describe(error)[:2])
-                return
-            self.runtime.statuses[200] += 1
-            yield Done.of(seq)
-        finally:
-            seq.future.cancel()  # a no-op once answered; the ingress stopped reading: dropped at the next step
+        # the one stream loop, as /generate and /v1 stream (its ending counted the same way; an ingress that
+        # stops reading cancels the sequence, dropped at the next step)
+        async for event in write_stream(self.runtime, [seq], job["request_id"], time.perf_counter(), _Events(seq)):
+            yield event
 
     def check_health(self) -> None:
         if not self.runtime.healthy():
@@ -124,6 +110,29 @@ class ReplicaServer:
     async def __del__(self) -> None:
         self._report.cancel()
         await self.runtime.stop()
+
+
+class _Events:
+    """How a replica writes one sequence's stream: typed events (``labserver.engine.output``), not bytes."""
+
+    def __init__(self, seq: Any) -> None:
+        self.seq, self.sent = seq, 0
+
+    def pending(self) -> Made | None:
+        """What it made since the last event (the first: with its prefill's own time, to split TTFT at the ingress)."""
+        if len(self.seq.tokens) <= self.sent:
+            return None
+        made, self.sent = Made.since(self.seq, self.sent), len(self.seq.tokens)
+        return made
+
+    def open(self) -> list[Any]:
+        return [] if self.seq.future.done() else [self.seq]
+
+    def done(self) -> Done:
+        return Done.of(self.seq)
+
+    def failed(self, kind: str, message: str, error: BaseException) -> Failed:
+        return Failed(kind, message)
 
 
 @serve.deployment

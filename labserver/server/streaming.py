@@ -34,18 +34,18 @@ __all__ = ["Renderer", "failure", "generation_engine", "wait_all", "wait_first_t
 
 
 class Renderer(Protocol):
-    """How one API writes a stream of sequences' tokens."""
+    """How one API writes a stream of sequences' tokens (bytes for HTTP; a replica's typed events)."""
 
-    def pending(self) -> bytes:
-        """What the sequences made since the last call, ready to send (b"" for nothing yet)."""
+    def pending(self) -> Any:
+        """What the sequences made since the last call, ready to send (b"" or None for nothing yet)."""
 
     def open(self) -> list[Any]:
         """The sequences still streaming (after ``pending``): the writer waits on these."""
 
-    def done(self) -> bytes:
+    def done(self) -> Any:
         """The end of an answered stream."""
 
-    def failed(self, kind: str, message: str, error: BaseException) -> bytes:
+    def failed(self, kind: str, message: str, error: BaseException) -> Any:
         """The end of a stream whose sequence failed mid-way (labserver's error ``kind``)."""
 
 
@@ -57,7 +57,7 @@ def failure(seqs: list[Any]) -> BaseException | None:
     return None
 
 
-async def write_stream(rt: Runtime, seqs: list[Any], rid: str, t0: float, render: Renderer) -> AsyncIterator[bytes]:
+async def write_stream(rt: Runtime, seqs: list[Any], rid: str, t0: float, render: Renderer) -> AsyncIterator[Any]:
     """Every token once (all that are ready in one write), then one ending (see the module docstring)."""
     answered = False
     try:
