@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from ..registry import registrar
+
 __all__ = ["POLICIES", "LeastLoaded", "Policy", "PrefixAware", "PrefixHash", "Pow2", "RandomChoice", "RoundRobin",
            "Route", "make_policy", "policy_names", "register_policy"]
 
@@ -59,10 +61,7 @@ class Policy:
 POLICIES: dict[str, Callable[..., Policy]] = {}
 
 
-def register_policy(cls: type[Policy]) -> type[Policy]:
-    """Makes a policy available by its ``name`` (``make_policy``, ``--router``)."""
-    POLICIES[cls.name] = cls
-    return cls
+register_policy = registrar(POLICIES, "routing policy")  # by its ``name`` (``make_policy``, ``--router``)
 
 
 def policy_names() -> list[str]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from .queueing import DOORS, make_discipline, make_door
-from .registry import registrar
+from ..registry import registrar
 from .steps import PREFILLS
 
 __all__ = ["STRATEGIES", "Admission", "Batch", "Clock", "Limits", "Queue", "Strategy", "describe", "make_strategy",

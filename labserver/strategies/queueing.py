@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from .registry import make, registrar
+from ..registry import make, registrar
 
 __all__ = ["DISCIPLINES", "DOORS", "AdaptiveLIFO", "BatchCost", "CoDel", "DeadlineDoor", "Discipline", "Door", "FIFO", "LIFO",
            "make_discipline", "make_door", "priority_of", "tenant_of"]

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 from .queueing import priority_of, tenant_of
-from .registry import make, registrar
+from ..registry import make, registrar
 
 __all__ = ["SCHEDULING", "FCFS", "Fair", "Priority", "SLOAware", "Scheduling", "make_scheduling"]
 

@@ -22,7 +22,7 @@ import math
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from .registry import registrar
+from ..registry import registrar
 
 __all__ = ["PREFILLS", "Budget", "Call", "Chunked", "Eager", "PrefillRule", "make_prefill", "register_prefill"]
 
