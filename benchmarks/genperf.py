@@ -213,7 +213,7 @@ def offline_generate(gen: Any, work: list[tuple[list[int], int]], batch: int, bu
 
 
 def offline_engine(gen: Any, work: list[tuple[list[int], int]], batch: int, budget_s: float) -> dict[str, float]:
-    """Our model's prefill/decode called directly, continuous-style: ``batch`` always running, endless supply.
+    """Our model's forward called directly, continuous-style: ``batch`` always running, endless supply.
 
     Its own block tables (a pool for ``batch`` sequences of full context, as a server's default): the
     same paged calls a server makes, without the queue, the event loop or HTTP.
@@ -226,10 +226,10 @@ def offline_engine(gen: Any, work: list[tuple[list[int], int]], batch: int, budg
     supply, sids = itertools.cycle(work), itertools.count(1 << 40)  # ids far from any server's
     running: dict[int, list[Any]] = {}  # sid -> [prompt + tokens, tokens still to make, positions computed]
 
-    def chunk(sid: int) -> Chunk:
+    def chunk(sid: int, decode: bool) -> Chunk:
         ids, _, done = running[sid]
         blocks.grow(sid, len(ids))
-        return Chunk(sid, ids[done:], done, tuple(blocks.tables[sid]))
+        return Chunk(sid, ids[done:], done, tuple(blocks.tables[sid]), decode=decode)
 
     tokens, t0 = 0, time.perf_counter()
     try:
@@ -239,11 +239,11 @@ def offline_engine(gen: Any, work: list[tuple[list[int], int]], batch: int, budg
                 prompt, n = next(supply)
                 blocks.start(sid, prompt)
                 running[sid] = [list(prompt), n, 0]
-            for step in (gen.prefill, gen.decode):  # as the server's loop: prefill the joining, then one step for all
-                calls = joining if step is gen.prefill else list(running)
+            for decode in (False, True):  # as the server's loop: prefill the joining, then one step for all
+                calls = list(running) if decode else joining
                 if not calls:
                     continue
-                outs = step([chunk(sid) for sid in calls])
+                outs = gen.forward([chunk(sid, decode) for sid in calls])
                 for sid, tok in zip(calls, outs):
                     r = running[sid]
                     r[0].append(tok)

@@ -60,6 +60,11 @@ class CrashModel(PlainModel):
         return [{"text": t} for t in texts]
 
 
+def call_kind(chunks: Any) -> str:
+    """How a test names a model call: "decode" when every chunk is one, else "prefill" (prompt tokens in it)."""
+    return "decode" if all(c.decode for c in chunks) else "prefill"
+
+
 class CallLog:
     """Any generator, with its prefill and decode calls logged as (kind, sequence ids), in the order they ran.
 
@@ -75,13 +80,9 @@ class CallLog:
     def __getattr__(self, name: str) -> Any:  # everything else is the model's own
         return getattr(self.inner, name)
 
-    def prefill(self, chunks):  # type: ignore[no-untyped-def]
-        self.calls.append(("prefill", tuple(c.sid for c in chunks)))
-        return self.inner.prefill(chunks)
-
-    def decode(self, chunks):  # type: ignore[no-untyped-def]
-        self.calls.append(("decode", tuple(c.sid for c in chunks)))
-        return self.inner.decode(chunks)
+    def forward(self, chunks):  # type: ignore[no-untyped-def]
+        self.calls.append((call_kind(chunks), tuple(c.sid for c in chunks)))
+        return self.inner.forward(chunks)
 
 
 class SteppedGen:
@@ -125,16 +126,13 @@ class SteppedGen:
     def allocate_kv(self, blocks: int, block_tokens: int) -> None:
         self.inner.allocate_kv(blocks, block_tokens)
 
-    def prefill(self, chunks):  # type: ignore[no-untyped-def]
-        self.calls.append(("prefill", tuple(c.sid for c in chunks)))
-        return self.inner.prefill(chunks)
-
-    def decode(self, chunks):  # type: ignore[no-untyped-def]
-        self.entered.release()
-        if not self.permits.acquire(timeout=30):
-            raise RuntimeError("test never allowed the step")
-        self.calls.append(("decode", tuple(c.sid for c in chunks)))  # logged once allowed to run
-        return self.inner.decode(chunks)
+    def forward(self, chunks):  # type: ignore[no-untyped-def]
+        if call_kind(chunks) == "decode":  # a decode step waits for its permit
+            self.entered.release()
+            if not self.permits.acquire(timeout=30):
+                raise RuntimeError("test never allowed the step")
+        self.calls.append((call_kind(chunks), tuple(c.sid for c in chunks)))  # logged once allowed to run
+        return self.inner.forward(chunks)
 
     def release(self, seq_ids):  # type: ignore[no-untyped-def]
         self.inner.release(seq_ids)

@@ -158,15 +158,15 @@ def test_drain_past_its_grace_cuts_the_running_and_the_queued() -> None:
 
 def test_a_failed_decode_step_fails_its_sequences_and_the_engine_goes_on() -> None:
     model = SyntheticGen(0, 0)
-    real_decode = model.decode
+    real_forward = model.forward
     failures = iter([True])
 
-    def flaky(seqs: list[tuple[int, int]]) -> list[int]:
-        if next(failures, False):
+    def flaky(chunks: list[Any]) -> list[Any]:
+        if all(c.decode for c in chunks) and next(failures, False):  # the first decode step
             raise ModelError("step failed")
-        return real_decode(seqs)
+        return real_forward(chunks)
 
-    model.decode = flaky  # type: ignore[method-assign]
+    model.forward = flaky  # type: ignore[method-assign]
 
     async def main() -> tuple[list[Any], Any]:
         e = engine("gen-continuous", model)
@@ -184,11 +184,14 @@ def test_a_failed_decode_step_fails_its_sequences_and_the_engine_goes_on() -> No
 
 def test_a_dead_model_thread_answers_everyone() -> None:
     model = SyntheticGen(0, 0)
+    real_forward = model.forward
 
-    def crash(seqs: list[tuple[int, int]]) -> list[int]:
-        raise Crash("simulated hard fault")
+    def crash(chunks: list[Any]) -> list[Any]:
+        if all(c.decode for c in chunks):  # the first decode step
+            raise Crash("simulated hard fault")
+        return real_forward(chunks)
 
-    model.decode = crash  # type: ignore[method-assign]
+    model.forward = crash  # type: ignore[method-assign]
 
     async def main() -> tuple[list[Any], bool]:
         e = engine("gen-continuous", model)

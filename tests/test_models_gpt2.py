@@ -144,29 +144,29 @@ def test_tokens_do_not_depend_on_batch_companions(gen: GPT2Gen) -> None:
 def test_decode_needs_a_prefill_and_release_forgets(gen: GPT2Gen) -> None:
     gen.allocate_kv(8, 4)
     chunk = Chunk(1, [5, 6], 0, (0,))
-    assert len(gen.prefill([chunk])) == 1 and gen.cached == 1
+    assert len(gen.forward([chunk])) == 1 and gen.cached == 1
     gen.release([1, 99])  # 99 was never there: ignored
     assert gen.cached == 0
     with pytest.raises(ModelError, match="no cache"):
-        gen.decode([Chunk(1, [7], 2, (0,))])
+        gen.forward([Chunk(1, [7], 2, (0,), decode=True)])
 
 
 def test_blocks_that_do_not_hold_the_positions_are_refused(gen: GPT2Gen) -> None:
     gen.allocate_kv(4, 4)
     with pytest.raises(ModelError, match="do not hold"):
-        gen.prefill([Chunk(1, list(range(2000, 2006)), 0, (0,))])  # 6 positions, one block of 4
+        gen.forward([Chunk(1, list(range(2000, 2006)), 0, (0,))])  # 6 positions, one block of 4
     with pytest.raises(ModelError, match="do not hold"):
-        gen.prefill([Chunk(1, [2000], 0, (9,))])  # no block 9 in a pool of 4
+        gen.forward([Chunk(1, [2000], 0, (9,))])  # no block 9 in a pool of 4
     assert gen.cached == 0
 
 
 def test_the_context_limit_is_kept(gen: GPT2Gen) -> None:
     gen.allocate_kv(gen.max_context // 16 + 1, 16)
     table = tuple(range(gen.max_context // 16 + 1))
-    last = gen.prefill([Chunk(1, prompt(gen, gen.max_context - 1), 0, table)])[0]
-    assert last is not None and len(gen.decode([Chunk(1, [last], gen.max_context - 1, table)])) == 1
+    last = gen.forward([Chunk(1, prompt(gen, gen.max_context - 1), 0, table)])[0]
+    assert last is not None and len(gen.forward([Chunk(1, [last], gen.max_context - 1, table, decode=True)])) == 1
     with pytest.raises(ModelError, match="context limit"):
-        gen.decode([Chunk(1, [last], gen.max_context, table)])
+        gen.forward([Chunk(1, [last], gen.max_context, table, decode=True)])
 
 
 def test_encode_and_text(gen: GPT2Gen) -> None:

@@ -165,11 +165,12 @@ class FailsMidway(SyntheticGen):
 
     decodes = 0
 
-    def decode(self, chunks):  # type: ignore[no-untyped-def]
-        self.decodes += 1
-        if self.decodes == 3:
-            raise ModelError("the step failed")
-        return super().decode(chunks)
+    def forward(self, chunks):  # type: ignore[no-untyped-def]
+        if all(c.decode for c in chunks):
+            self.decodes += 1
+            if self.decodes == 3:
+                raise ModelError("the step failed")
+        return super().forward(chunks)
 
 
 def test_a_failure_mid_stream_is_an_error_the_sdk_raises() -> None:

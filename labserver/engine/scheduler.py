@@ -275,7 +275,7 @@ class Scheduler:
         scoring = seq.wants_prompt_scores and len(seq.prompt_logprobs) == start  # (echo: from position 1 on)
         score = prompt[start + 1:start + n + 1] if scoring else ()
         return Chunk(seq.sid, tokens, start, tuple(self.blocks.tables[seq.sid]), sample=start + n == seq.kv_tokens,
-                     sampling=seq.sampling, prompt_len=len(prompt), score=score)
+                     sampling=seq.sampling, prompt_len=len(prompt), score=score, decode=seq.decoding)
 
     # -- the outcome ------------------------------------------------------------------------
     def apply(self, plan: ModelCall, outs: Sequence[Any], start_s: float, end_s: float) -> None:

@@ -12,7 +12,7 @@ leaves)::
         if call is None:                    # the step is over
             await scheduler.admit()         # a step boundary: who joins, and the calls of the next step
             continue
-        outputs = model.decode(call.chunks) if every one decodes, else model.prefill(call.chunks)
+        outputs = model.forward(call.chunks)          # on the model thread; any mix of prompts and decodes
         scheduler.apply(call, outputs)      # positions computed, tokens emitted, failures, who leaves
 
 KV memory is blocks (``labserver.engine.blocks``): the scheduler keeps each sequence's
@@ -102,12 +102,12 @@ class StepEngine(GenEngine):
         """The model call; a failure becomes that sequence's output (an exception), never the loop's end."""
         if not call.prefills:
             try:
-                return await self.call(self.model.decode, call.chunks)  # type: ignore[no-any-return]
+                return await self.call(self.model.forward, call.chunks)  # type: ignore[no-any-return]
             except Exception as e:  # a failed step fails every sequence in it (mid-stream: an error event)
                 logger.exception("decode step failed for %d sequences", len(call.chunks))
                 return [e] * len(call.chunks)
         # a prompt that fails fails alone: the call is split and retried until it does
-        outs, calls = await self.call(run_isolating, self.model.prefill, call.chunks)
+        outs, calls = await self.call(run_isolating, self.model.forward, call.chunks)
         self.counters.prefill_calls += calls
         return outs  # type: ignore[no-any-return]
 

@@ -2,17 +2,17 @@
 
 - ``Model`` (encoders): a callable from a list of texts to a list of outputs, one call
   per batch, with a cheap ``check`` for inputs it can never take.
-- ``GenModel`` (generators): the two steps of generation offered separately, so the
-  scheduler decides who joins and who leaves between them. The model owns a pool of KV
+- ``GenModel`` (generators): one ``forward`` per model call, over any mix of work, so the
+  scheduler decides who joins and who leaves between calls. The model owns a pool of KV
   memory in fixed-size blocks (``allocate_kv``); the engine owns the block tables, which
   say where each sequence's positions live, and hands them in with the work. A model
-  call is a list of ``Chunk``: per sequence, the tokens to compute now, the position of
-  the first, and its block table. ``prefill`` runs prompt tokens (a whole prompt, what a
-  prefix cache did not hold, a piece of one, or a preempted sequence recomputed) and
-  returns the next token after each chunk that asks for one; ``decode`` runs *one* token
-  per sequence (each at its own length, none padded to another's); ``release`` tells it
-  that sequences are gone. Failed calls leave nothing to undo: the engine owns the tables,
-  so it can split a batch and retry each half.
+  call is a list of ``Chunk``: per sequence, the tokens to compute now (a whole prompt,
+  what a prefix cache did not hold, a piece of one, a preempted sequence recomputed, or
+  the one token of a ``decode``), the position of the first, and its block table; it
+  returns the next token after each chunk that asks for one, each sequence at its own
+  length, none padded to another's. ``release`` tells it that sequences are gone. Failed
+  calls leave nothing to undo: the engine owns the tables, so it can split a call and
+  retry each half.
 
 Errors: ``InputRejected`` is the client's fault (400), ``ModelError`` a right input
 that still failed (500), ``OutOfMemory`` a batch that may fit smaller (split and
@@ -157,6 +157,7 @@ class Chunk:
     sampling: Sampling | None = None  # how (None: greedy)
     prompt_len: int = 0  # how many of the sequence's tokens are its prompt (what follows was generated)
     score: Sequence[int] = ()  # prompt tokens to score (echo): the token after each position from start, in order
+    decode: bool = False  # one token of a sequence that is decoding: the model holds its cache from earlier calls
 
     @property
     def end(self) -> int:
@@ -193,14 +194,11 @@ class GenModel(Protocol):
     def allocate_kv(self, blocks: int, block_tokens: int) -> None:
         """Hold keys and values for ``blocks`` blocks of ``block_tokens`` positions (the engine's budget)."""
 
-    def prefill(self, chunks: list[Chunk]) -> list[int | Scored | None]:
-        """Compute these chunks (prompt tokens; in a chunked-prefill step also others' single decode
-        tokens), writing their KV where their tables say; a next token for each chunk with
-        ``sample``, None for the others. A model that scores returns a ``Scored`` instead for a
-        chunk whose sampling asks for log-probabilities or that has tokens to ``score``."""
-
-    def decode(self, chunks: list[Chunk]) -> list[int | Scored]:
-        """One step: each chunk is one sequence's last token; returns each one's next token."""
+    def forward(self, chunks: list[Chunk]) -> list[int | Scored | None]:
+        """One model call over any mix of chunks (prompts, pieces of them, recomputes, decodes), writing their KV
+        where their tables say; a next token for each chunk with ``sample``, None for the others. A model that
+        scores returns a ``Scored`` instead for a chunk whose sampling asks for log-probabilities or that has
+        tokens to ``score``. A ``decode`` chunk's sequence must have its cache from earlier calls."""
 
     def release(self, seq_ids: list[int]) -> None:
         """These sequences are gone (finished, failed, left, preempted): forget them (unknown ids are ignored)."""
@@ -222,11 +220,11 @@ def generate_alone(model: GenModel, prompt_ids: list[int], n: int, *, sid: int =
     table = tuple(range(-(-(len(prompt_ids) + n) // block_tokens)))
     model.allocate_kv(len(table), block_tokens)
     p = len(prompt_ids)
-    first = model.prefill([Chunk(sid, prompt_ids, 0, table, sampling=sampling, prompt_len=p)])
+    first = model.forward([Chunk(sid, prompt_ids, 0, table, sampling=sampling, prompt_len=p)])
     tokens = [token_of(first[0])]
     while len(tokens) < n:
-        step = model.decode([Chunk(sid, [tokens[-1]], p + len(tokens) - 1, table,  # type: ignore[list-item]
-                                   sampling=sampling, prompt_len=p)])
+        step = model.forward([Chunk(sid, [tokens[-1]], p + len(tokens) - 1, table,  # type: ignore[list-item]
+                                    sampling=sampling, prompt_len=p, decode=True)])
         tokens.append(token_of(step[0]))
     model.release([sid])
     return tokens  # type: ignore[return-value]

@@ -251,18 +251,14 @@ class PagedLM(TokenizerText):
                                  (c.sampling.prompt_logprobs if c.sampling else None) or 0) if c.score else []
             outs.append(Scored(token, mine, tuple(prompt)))
         if self.costs:
-            self.costs.add_call(time.perf_counter() - start, len(picked),
-                                decode=all(len(c.tokens) == 1 for c in chunks))
+            self.costs.add_call(time.perf_counter() - start, len(picked), decode=all(c.decode for c in chunks))
         return outs
 
-    def prefill(self, chunks: list[Chunk]) -> list[int | Scored | None]:
-        return self._choose(chunks) if chunks else []
-
-    def decode(self, chunks: list[Chunk]) -> list[int | Scored]:
+    def forward(self, chunks: list[Chunk]) -> list[int | Scored | None]:
         for c in chunks:
-            if c.sid not in self._live:
+            if c.decode and c.sid not in self._live:
                 raise ModelError(f"decode of sequence {c.sid}, which has no cache (never prefilled or released)")
-        return self._choose(chunks) if chunks else []  # type: ignore[return-value]
+        return self._choose(chunks) if chunks else []
 
     def release(self, seq_ids: list[int]) -> None:
         self._live.difference_update(seq_ids)
@@ -298,10 +294,7 @@ class TransformersOnly(TokenizerText):
     def allocate_kv(self, blocks: int, block_tokens: int) -> None:
         raise ModelError(self.why)
 
-    def prefill(self, chunks: list[Chunk]) -> list[int | None]:
-        raise ModelError(self.why)
-
-    def decode(self, chunks: list[Chunk]) -> list[int]:
+    def forward(self, chunks: list[Chunk]) -> list[int | Scored | None]:
         raise ModelError(self.why)
 
     def release(self, seq_ids: list[int]) -> None:

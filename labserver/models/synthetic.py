@@ -193,24 +193,22 @@ class SyntheticGen:
             block[offset] = signature
         return signature
 
-    # -- the two steps --------------------------------------------------------------------
-    def prefill(self, chunks: list[Chunk]) -> list[int | None]:
-        self.sleep(self.prefill_cost_ms(sum(len(c.tokens) for c in chunks)) / 1000)
-        if any(POISONED in c.tokens for c in chunks):
+    # -- the call: a decode step costs step_cost_ms, any call with prompt tokens prefill_cost_ms ------------
+    def forward(self, chunks: list[Chunk]) -> list[int | None]:
+        decode = all(c.decode for c in chunks)
+        self.sleep((self.step_cost_ms(len(chunks)) if decode else
+                    self.prefill_cost_ms(sum(len(c.tokens) for c in chunks))) / 1000)
+        if not decode and any(POISONED in c.tokens for c in chunks):
             raise ModelError("poisoned prompt")
+        for c in chunks:
+            if c.decode and c.sid not in self._live:
+                raise ModelError(f"decode of sequence {c.sid}, which has no cache (never prefilled or released)")
         out: list[int | None] = []
         for c in chunks:
             signature = self._run(c)
             out.append(self._token(c, signature) if c.sample else None)
         self._live.update(c.sid for c in chunks)
         return out
-
-    def decode(self, chunks: list[Chunk]) -> list[int]:
-        self.sleep(self.step_cost_ms(len(chunks)) / 1000)
-        for c in chunks:
-            if c.sid not in self._live:
-                raise ModelError(f"decode of sequence {c.sid}, which has no cache (never prefilled or released)")
-        return [self._token(c, self._run(c)) for c in chunks]
 
     def release(self, seq_ids: list[int]) -> None:
         self._live.difference_update(seq_ids)
