@@ -221,3 +221,18 @@ def test_stopperf_smoke_times_every_length_and_the_rule_it_replaced(tmp_path: Pa
     fig = json.loads(out.read_text())["figures_us"]
     assert set(fig) == {"long_16", "short_16", "mid_16", "mid_0", "old_16", "old_short_16"}
     assert run.stdout.count("| per token,") == 3 and run.stdout.count("PASS") + run.stdout.count("FAIL") == 2
+
+
+def test_roofline_smoke_measures_the_machine_the_floors_and_one_step(tmp_path: Path) -> None:
+    out = tmp_path / "roofline.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "roofline.py"), "--smoke", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    numbers = json.loads(out.read_text())
+    assert numbers["machine"]["read_gb_s"] > 0 and numbers["machine"]["matmul_fp32_gflop_s"] > 0
+    assert [r["sequences"] for r in numbers["rows"]] == [1, 4]
+    assert all(r["measured_ms"] > 0 and r["floor_ms"] > 0 and r["bound"] in ("memory", "compute")
+               for r in numbers["rows"])
+    prof = numbers["profile_one"]
+    assert prof["output head (logits)"] > 0 and prof["matmuls"] > 0  # the head is told apart from the layers
+    assert run.stdout.count("| 1 |") == 1 and "by slice" in run.stdout
