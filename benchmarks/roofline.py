@@ -21,7 +21,9 @@ one run, on the model labserver serves (``--model``, default ``smollm2``):
    matmuls in the layers, the output head (the matmul whose output is the vocabulary), attention and the
    KV pool's gathers and writes, norms and other elementwise ops, views and op wrappers, sampling; and
    the rest of the wall time, the Python and dispatch between ops, which no op accounts for; and the
-   rate at which the matmuls read the weights, beside the machine's read bandwidth.
+   rate at which the matmuls read the weights, beside the machine's read bandwidth;
+5. **the same matrix-vector products alone**, on the model's own weights in two layouts (as stored,
+   ``linear(x, W)``; transposed once, ``x @ W.T`` contiguous), the layers' and the output head's, GB/s read.
 
 INFO throughout: it states a floor, it sets no goal.
 """
@@ -163,6 +165,32 @@ def profile_step(gen: Any, chunks: list[Chunk], vocab: int, steps: int) -> dict[
             "top_ops": [(k, round(v, 4), calls[k]) for k, v in top], "op_calls": sum(calls.values())}
 
 
+def layouts(gen: Any, repeats: int) -> dict[str, float]:
+    """One sequence's matrix-vector products over the model's own weights, in two layouts, GB/s read: as
+    ``linear(x, W)`` (W as stored, [out, in]) and as ``x @ Wt`` (its transpose made contiguous once); the
+    layers' weights are cycled through, so they come from memory, as in a step."""
+    import torch.nn.functional as F
+
+    hf = gen.hf_model
+    head = hf.get_output_embeddings().weight.detach()
+    layers = [m.weight.detach() for m in hf.modules() if isinstance(m, torch.nn.Linear) and m.weight is not head]
+    flipped = [w.t().contiguous() for w in layers]
+    xs = {n: torch.randn(1, n) for n in {w.shape[1] for w in layers} | {head.shape[1]}}
+    layer_mb = sum(w.numel() * w.element_size() for w in layers) / 1e6
+    head_mb = head.numel() * head.element_size() / 1e6
+    out = {}
+    with torch.inference_mode():
+        out["layers_linear_gb_s"] = layer_mb / 1e3 / median_s(lambda: [F.linear(xs[w.shape[1]], w) for w in layers],
+                                                             repeats)
+        out["layers_transposed_gb_s"] = layer_mb / 1e3 / median_s(lambda: [xs[w.shape[0]] @ w for w in flipped],
+                                                                 repeats)
+        flipped_head = head.t().contiguous()
+        x = xs[head.shape[1]]
+        out["head_linear_gb_s"] = head_mb / 1e3 / median_s(lambda: F.linear(x, head), repeats)
+        out["head_transposed_gb_s"] = head_mb / 1e3 / median_s(lambda: x @ flipped_head, repeats)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
@@ -200,6 +228,7 @@ def main() -> int:
         gen.release([c.sid for c in chunks])
     one = decode_chunks(gen, 1, args.context)
     prof = profile_step(gen, one, w["vocab"], args.steps)
+    lay = layouts(gen, args.repeats)
     print(f"model {args.model}: {w['params'] / 1e6:.1f} M parameters, {w['bytes_read'] / 1e6:.0f} MB read a step "
           f"(the output head {w['head_params'] / 1e6:.1f} M of them, vocabulary {w['vocab']:,}), KV {kv:,} bytes a "
           f"token")
@@ -225,11 +254,14 @@ def main() -> int:
           f"({w['bytes_read'] / 1e6:.0f} MB in {mm_ms:.2f} ms), against {m['read_gb_s']:.1f} GB/s for a sum")
     print(f"{prof['op_calls']} op calls a step; the costliest ops (self CPU ms a step, calls):")
     print(", ".join(f"{k} {v:.2f} ({n})" for k, v, n in prof["top_ops"]))
+    print(f"\nthe same matrix-vector products alone (GB/s read): the layers' weights as linear(x, W) "
+          f"{lay['layers_linear_gb_s']:.1f}, as x @ W.T made contiguous {lay['layers_transposed_gb_s']:.1f}; "
+          f"the output head {lay['head_linear_gb_s']:.1f} and {lay['head_transposed_gb_s']:.1f}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"model": args.model, "context": args.context, "machine": m,
                                               "weights": w, "kv_bytes_per_token": kv, "rows": rows,
-                                              "profile_one": prof}, indent=1))
+                                              "profile_one": prof, "layouts": lay}, indent=1))
     measured_all = all(r["measured_ms"] > 0 and r["floor_ms"] > 0 for r in rows) and prof["wall_ms"] > 0
     return 0 if measured_all else 1
 
