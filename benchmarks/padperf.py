@@ -130,6 +130,10 @@ def main() -> int:
             r[f"{name}@sat"] = measure(model, name, kinds[name], mixed, args, users=args.users)
         if i == 0:  # one schedule for every round: 70 % of thread's first saturated rate
             rate = 0.7 * r["thread@sat"]["items_per_s"]
+            if not rate > 0:  # (NaN: nothing answered in the window)
+                print(f"thread answered nothing in its {args.seconds:g} s saturated window (a busy machine?): "
+                      "nothing to set the Poisson rate by; try a longer --seconds", file=sys.stderr)
+                return 1
         for name in flip(("thread", "tokens")):
             print(f"round {i + 1}: Poisson at {rate:.1f}/s (70 % of thread's): {name} ...", file=sys.stderr)
             r[f"{name}@70"] = measure(model, name, kinds[name], mixed, args, rate_per_s=rate)

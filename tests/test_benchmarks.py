@@ -163,7 +163,7 @@ def test_overload_smoke_measures_every_discipline_priority_and_tenant(tmp_path: 
 
 def test_padperf_smoke_measures_both_rules_and_their_padding(tmp_path: Path) -> None:
     out = tmp_path / "padperf.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "padperf.py"), "--smoke", "--seconds", "1.5",
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "padperf.py"), "--smoke", "--seconds", "3",
                           "--warmup", "0.5", "--users", "48", "--rounds", "1", "--out", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
