@@ -156,17 +156,23 @@ def test_drain_past_its_grace_cuts_the_running_and_the_queued() -> None:
     assert model.cached == 0
 
 
-def test_a_failed_decode_step_fails_its_sequences_and_the_engine_goes_on() -> None:
+def failing_decodes(error: BaseException, times: float = float("inf")) -> SyntheticGen:
+    """A synthetic generator whose first ``times`` decode steps raise ``error`` (prefills run)."""
     model = SyntheticGen(0, 0)
-    real_forward = model.forward
-    failures = iter([True])
+    real_forward, left = model.forward, [times]
 
-    def flaky(chunks: list[Any]) -> list[Any]:
-        if all(c.decode for c in chunks) and next(failures, False):  # the first decode step
-            raise ModelError("step failed")
+    def forward(chunks: list[Any]) -> list[Any]:
+        if all(c.decode for c in chunks) and left[0] > 0:
+            left[0] -= 1
+            raise error
         return real_forward(chunks)
 
-    model.forward = flaky  # type: ignore[method-assign]
+    model.forward = forward  # type: ignore[method-assign]
+    return model
+
+
+def test_a_failed_decode_step_fails_its_sequences_and_the_engine_goes_on() -> None:
+    model = failing_decodes(ModelError("step failed"), times=1)
 
     async def main() -> tuple[list[Any], Any]:
         e = engine("gen-continuous", model)
@@ -183,15 +189,7 @@ def test_a_failed_decode_step_fails_its_sequences_and_the_engine_goes_on() -> No
 
 
 def test_a_dead_model_thread_answers_everyone() -> None:
-    model = SyntheticGen(0, 0)
-    real_forward = model.forward
-
-    def crash(chunks: list[Any]) -> list[Any]:
-        if all(c.decode for c in chunks):  # the first decode step
-            raise Crash("simulated hard fault")
-        return real_forward(chunks)
-
-    model.forward = crash  # type: ignore[method-assign]
+    model = failing_decodes(Crash("simulated hard fault"))
 
     async def main() -> tuple[list[Any], bool]:
         e = engine("gen-continuous", model)
