@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..lab.claims import pct, spread
 from ..load.arrivals import WORDS
 from ..models.base import device_label
 

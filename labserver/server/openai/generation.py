@@ -273,7 +273,7 @@ class _Chunks:
         self.first = True
 
     def pending(self) -> bytes:
-        choices, req = [], self.reply.req
+        choices = []
         for i in sorted(self.open_):
             seq, text = self.seqs[i], self.texts[i]
             ended = seq.future.done() and not seq.future.cancelled() and seq.future.exception() is None
