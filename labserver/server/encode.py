@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -57,10 +57,10 @@ def check_texts(rt: Runtime, texts: list[str], name: str = '"inputs"') -> None:
 
 def encoder_engine(rt: Runtime, other_route: str) -> BatchEngine:
     """The runtime's batch engine, or a 400 that names the route a generation server offers."""
-    if not isinstance(rt.engine, BatchEngine):
+    if rt.engine is None or rt.engine.kind != "encode":
         raise ClientError("bad_request", f"this server generates text ({rt.strategy.name}); "
                                          f"POST {other_route} instead")
-    return rt.engine
+    return cast(BatchEngine, rt.engine)
 
 
 async def infer(rt: Runtime, request: Request, texts: list[str], rid: str, t0: float,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from starlette.requests import Request
 
@@ -90,9 +90,9 @@ async def write_stream(rt: Runtime, seqs: list[Any], rid: str, t0: float, render
 
 def generation_engine(rt: Runtime, why: str) -> GenEngine:
     """The server's engine, asked whether it generates; if not, a 400 that says ``why``."""
-    if not isinstance(rt.engine, GenEngine):
+    if rt.engine is None or rt.engine.kind != "generate":
         raise ClientError("bad_request", why)
-    return rt.engine
+    return cast(GenEngine, rt.engine)
 
 
 async def wait_first_token(rt: Runtime, request: Request, seq: Seq, t0: float) -> None:
