@@ -112,6 +112,29 @@ def test_a_fork_shares_the_whole_computed_blocks_without_a_cache() -> None:
     m.check()
 
 
+def test_a_planned_release_counts_what_the_real_one_frees() -> None:
+    """``freed_by`` and ``cost(..., without=)`` plan a preemption: they must agree with releasing for real,
+    shared blocks included (a victim's block another table holds frees nothing; a hit on a block only
+    victims hold costs one once they let it go)."""
+    import copy
+
+    m = BlockManager(16, B, prefix_cache=True)
+    shared = list(range(1, 2 * B + 1))  # two whole blocks every table begins with
+    for owner, tail in ((1, [90, 91]), (2, [80]), (3, [70, 71, 72, 73, 74])):
+        m.start(owner, shared + tail)
+        m.grow(owner, len(shared) + len(tail) + 1)
+        m.computed(owner, shared + tail, len(shared) + len(tail))
+    newcomer = shared + [60]
+    for victims in ([1], [1, 2], [1, 2, 3], [3]):
+        after = copy.deepcopy(m)
+        for v in victims:
+            after.release(v)
+        assert m.available + m.freed_by(victims) == after.available, victims
+        assert m.cost(newcomer, len(newcomer) + 1, victims) == after.cost(newcomer, len(newcomer) + 1), victims
+    assert m.freed_by([1]) == 1 and m.freed_by([1, 2, 3]) == 2 + 1 + 1 + 2  # the shared two only with all three
+    assert m.cost(newcomer, len(newcomer) + 1) == 1 and m.cost(newcomer, len(newcomer) + 1, [1, 2, 3]) == 3
+
+
 def test_bad_pools_and_a_second_table_are_refused() -> None:
     with pytest.raises(ValueError):
         BlockManager(0, B)

@@ -36,8 +36,8 @@ strategy's rule (``labserver.strategies``), where keys and values sit is the mod
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Sequence
 
 __all__ = ["BlockManager"]
 
@@ -104,14 +104,24 @@ class BlockManager:
         """Tokens at the start of ``tokens`` whose KV the cache already holds (whole blocks)."""
         return len(self._walk(tokens)) * self.block_tokens
 
-    def cost(self, tokens: Sequence[int], positions: int) -> int:
+    def cost(self, tokens: Sequence[int], positions: int, without: Collection[int] = ()) -> int:
         """Blocks taken from ``available`` by a new table for ``tokens`` that covers ``positions``.
 
         A hit on a block another table holds costs nothing; a hit on a cached block costs
-        one (it stops being evictable); every other block is new.
+        one (it stops being evictable); every other block is new. ``without``: as if these
+        owners' tables were released first (a preemption planned, not yet made).
         """
-        shared = sum(1 for _, block in self._walk(tokens) if self.refs[block])
+        dropped = self._dropped(without)
+        shared = sum(1 for _, block in self._walk(tokens) if self.refs[block] > dropped[block])
         return self.blocks_for(positions) - shared
+
+    def freed_by(self, owners: Collection[int]) -> int:
+        """Blocks that releasing these owners' tables would make available (those no other table holds)."""
+        return sum(1 for block, n in self._dropped(owners).items() if self.refs[block] == n)
+
+    def _dropped(self, owners: Collection[int]) -> Counter[int]:
+        """Block -> references these owners' tables hold."""
+        return Counter(block for owner in owners for block in self.tables.get(owner, ()))
 
     # -- a table's life ---------------------------------------------------------------------
     def start(self, owner: int, tokens: Sequence[int]) -> int:

@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..models import InputRejected, ModelError, ModelLoadError, Sampling, on_fresh_thread
-from ..strategies import GenStrategy
+from ..strategies import Admission, GenStrategy
 from .genbase import GenCounters, GenEngine, kv_budget_tokens
 from .sequence import Seq
 
@@ -312,7 +312,7 @@ class HFEngine(GenEngine):
             self._started.set()
         try:
             while True:
-                joining, reason = await self.strategy.admit(self.queue, self.running, self.clock)  # type: ignore[attr-defined]
+                joining, reason, _ = Admission(*await self.strategy.admit(self.queue, self.running, self.clock))  # type: ignore[attr-defined]
                 if not joining:
                     self._room.clear()
                     await self._room.wait()

@@ -4,9 +4,10 @@ One room for every decision about who is computed next, and all of them are the
 strategy's (``labserver.strategies.generate``); the scheduler asks and keeps the books::
 
     await scheduler.admit()                 a step boundary
-        strategy.admit(queue, running, clock) -> who joins; the gone are dropped, the expired
-            answered 504, the joining get their block tables (a prefix cache may already hold
-            their first blocks); strategy.compose(running) -> the step's calls, one at a time
+        strategy.admit(queue, running, clock) -> who joins, and whom they displace (preempted
+            now); the gone are dropped, the expired answered 504, the joining get their block
+            tables (a prefix cache may already hold their first blocks);
+            strategy.compose(running) -> the step's calls, one at a time
     call = scheduler.next_call()            the step's next call (None: the step is over): each
             sequence with how many tokens it computes (a prompt, a piece, a recompute, or the one
             token of a decode), its blocks for every position it writes; when none is free,
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..models import Chunk, Logprob, Scored
-from ..strategies import GenStrategy
+from ..strategies import Admission, GenStrategy
 from ..strategies.generate import Call
 from .blocks import BlockManager
 from .counters import count, sizes
@@ -96,14 +97,15 @@ class RunningSeqs:
     """The sequences admitted and not yet done, and the KV blocks they hold: what a rule sees as ``Running``
     (``labserver.strategies.generate.Running``, the protocol this implements)."""
 
-    def __init__(self, blocks: BlockManager, preempt: Callable[[Seq], None] = lambda seq: None) -> None:
-        self.seqs: list[Seq] = []  # in admission order: the last one is the newest
+    def __init__(self, blocks: BlockManager, seqs: Sequence[Seq] = (), released: Sequence[Seq] = ()) -> None:
+        self.seqs: list[Seq] = list(seqs)  # in admission order: the last one is the newest
         self.blocks = blocks
-        self._preempt = preempt
+        self._released = {s.sid for s in released}  # planned preemptions: their blocks counted as given back
 
-    def preempt(self, seq: Seq) -> None:
-        """Out of the batch now, to make room for a newcomer of a higher class (the scheduling policy's call)."""
-        self._preempt(seq)
+    def without(self, seqs: Sequence[Seq]) -> RunningSeqs:
+        """The batch as it would be with these preempted: a plan, nothing moves until the scheduler acts on it."""
+        gone = {s.sid for s in seqs}
+        return RunningSeqs(self.blocks, [s for s in self.seqs if s.sid not in gone], [*seqs])
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -126,7 +128,7 @@ class RunningSeqs:
     @property
     def free_blocks(self) -> int:
         """Blocks a sequence could take now (the prefix cache's unreferenced ones included)."""
-        return self.blocks.available
+        return self.blocks.available + self.blocks.freed_by(self._released)
 
     @property
     def reserved_blocks(self) -> int:
@@ -138,7 +140,7 @@ class RunningSeqs:
     def blocks_needed(self, seqs: Sequence[Seq]) -> int:
         """Blocks these waiting sequences take if admitted now: their context and the token they make next,
         less what a prefix cache shares with the running ones."""
-        return sum(self.blocks.cost(s.context, s.kv_tokens + 1) for s in seqs)
+        return sum(self.blocks.cost(s.context, s.kv_tokens + 1, self._released) for s in seqs)
 
 
 class Scheduler:
@@ -150,7 +152,7 @@ class Scheduler:
         """``live`` drops the gone and answers the expired (the engine's door); ``emit`` hands a token over."""
         self.strategy, self.queue, self.blocks, self.counters = strategy, queue, blocks, counters
         self.clock, self.live, self.emit = clock, live, emit
-        self.running = RunningSeqs(blocks, self._displace)
+        self.running = RunningSeqs(blocks)
         self._displaced: list[Seq] = []  # preempted at admission for a higher class: shown on the next call
         self.released: list[int] = []  # sequences whose KV the model may drop, until the engine tells it
         self.steps: deque[StepRecord] = deque(maxlen=history)
@@ -173,7 +175,11 @@ class Scheduler:
     async def admit(self) -> None:
         """A step boundary: who joins (the strategy's ``admit``, which waits while nothing runs); the gone
         leave; the joining get their blocks; then the strategy composes the step's calls."""
-        joining, reason = await self.strategy.admit(self.queue, self.running, self.clock)
+        joining, reason, victims = Admission(*await self.strategy.admit(self.queue, self.running, self.clock))
+        for victim in victims:  # a newcomer of a higher class takes its place
+            self._requeue(victim)
+            self.counters.preempted_for_priority += 1
+            self._displaced.append(victim)
         gone = [s for s in self.running if s.gone]
         self.counters.left_while_generating += len(gone)
         self._leave(gone)
@@ -250,12 +256,6 @@ class Scheduler:
                 self.counters.preemptions += 1
                 preempted.append(victim)
         return preempted
-
-    def _displace(self, victim: Seq) -> None:
-        """A newcomer of a higher class takes a running sequence's place (``RunningSeqs.preempt``)."""
-        self._requeue(victim)
-        self.counters.preempted_for_priority += 1
-        self._displaced.append(victim)
 
     def _requeue(self, victim: Seq) -> None:
         """Blocks released, back to the head of the queue (of its class), recomputed when admitted again."""

@@ -8,9 +8,9 @@ leaves) and ``labserver.strategies.generate`` (gen-*: who joins the running batc
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from .queueing import DOORS, make_discipline, make_door
 from ..registry import registrar
@@ -36,7 +36,14 @@ class Queue(Protocol):
 
 Clock = Callable[[], float]
 Batch = tuple[list[Any], str]  # (items, dispatch reason)
-Admission = tuple[list[Any], str]  # (sequences to prefill now, why)
+
+
+class Admission(NamedTuple):
+    """A generation rule's answer at a step boundary."""
+
+    joining: list[Any]  # sequences to prefill now
+    reason: str  # why (counted in prefill_reasons)
+    preempt: Sequence[Any] = ()  # running sequences that make room for them (requeued, recomputed later)
 
 
 @dataclass

@@ -5,7 +5,7 @@ their answers are everything that differs between one gen-* strategy and another
 
 - ``admit(queue, running, clock)``: who joins the running batch at this step boundary
   (``order``: in what order the waiting are considered; ``fits``: how much KV memory one
-  must find free to join);
+  must find free to join), and whom a newcomer of a higher class displaces: an ``Admission``;
 - ``compose(running)``: the model calls of one step, each built once the one before it
   has been applied: the prefill rule's (``labserver.strategies.steps``: eager, budget,
   chunked, one class each);
@@ -47,7 +47,7 @@ class Running(Protocol):
 
     def blocks_needed(self, seqs: list[Any]) -> int: ...  # blocks these would take now (prompt, next token)
 
-    def preempt(self, seq: Any) -> None: ...  # out of the batch, blocks back, to the head of its queue class
+    def without(self, seqs: list[Any]) -> Running: ...  # the batch as it would be with these preempted
 
 
 # -- generation: who joins the running batch at this step boundary? -------------------------
@@ -74,7 +74,7 @@ class GenStrategy(Strategy):
         if self.prefill.joins_each_step and not self.joins_running:
             raise ValueError(f"prefill={self.limits.prefill!r} needs a strategy that joins at every step "
                              f"(gen-continuous, gen-paged), not {self.name}")
-        if self.limits.queue not in ("fifo", "codel"):
+        if not self.discipline.orders_generation:
             raise ValueError(f"queue={self.limits.queue!r} is an encoder discipline; generation orders its waiting "
                              "by scheduling= (fcfs, priority, fair, slo)")
         self.scheduling = make_scheduling(self.limits)  # the order of the waiting, who may be displaced
@@ -116,8 +116,8 @@ class GenNaive(GenStrategy):
 
     async def admit(self, queue: Queue, running: Running, clock: Clock) -> Admission:
         if len(running):
-            return [], "busy"
-        return [await queue.get()], "single"
+            return Admission([], "busy")
+        return Admission([await queue.get()], "single")
 
 
 @register
@@ -133,21 +133,21 @@ class GenStatic(GenStrategy):
 
     async def admit(self, queue: Queue, running: Running, clock: Clock) -> Admission:
         if len(running):
-            return [], "busy"  # nobody joins a batch in flight
+            return Admission([], "busy")  # nobody joins a batch in flight
         batch = [await queue.get()]
         due_s = clock() + self.limits.max_wait_ms / 1000
         while len(batch) < self.limits.cap:
             if self.limits.idle_dispatch and queue.empty():
-                return batch, "idle"
+                return Admission(batch, "idle")
             remaining_s = due_s - clock()
             seq = await queue.get(remaining_s) if remaining_s > 0 else None
             if seq is None:
-                return batch, "deadline"
+                return Admission(batch, "deadline")
             if not self.fits(seq, running, batch):
                 queue.putback(seq)
-                return batch, "kv-full"
+                return Admission(batch, "kv-full")
             batch.append(seq)
-        return batch, "full"
+        return Admission(batch, "full")
 
     def leaving(self, running: Running) -> list[Any]:
         """Nobody until the whole batch is done: the finished wait for its longest member."""
@@ -174,19 +174,22 @@ class GenContinuous(GenStrategy):
             queue.putback(await queue.get())  # nothing to decode: wait for work
         budget = self.prefill.admit_tokens
         joining: list[Any] = []
+        victims: list[Any] = []
+        left = running  # the batch, less the victims so far
         prompt_tokens = 0
         for seq in self.order(queue.waiting(), running, clock()):
             over_budget = joining and prompt_tokens + len(seq.prompt_ids) > budget
             if over_budget:
                 break
-            while not self.fits(seq, running, joining) and (victim := self.scheduling.displace(seq, list(running))):
-                running.preempt(victim)  # a lower class makes room (recomputed later)
-            if not self.fits(seq, running, joining):
+            while not self.fits(seq, left, joining) and (victim := self.scheduling.displace(seq, list(left))):
+                victims.append(victim)  # a lower class makes room (recomputed later)
+                left = running.without(victims)
+            if not self.fits(seq, left, joining):
                 break  # it stays first in line: nobody overtakes it
             joining.append(seq)
             prompt_tokens += len(seq.prompt_ids)
         queue.take(joining)
-        return joining, "join" if len(running) else "start"
+        return Admission(joining, "join" if len(left) else "start", victims)
 
 
 @register
@@ -228,5 +231,5 @@ class GenHFContinuous(GenStrategy):
 
     async def admit(self, queue: Queue, running: Running, clock: Clock) -> Admission:
         if len(running) >= self.limits.cap:
-            return [], "full"  # the engine waits for one to leave
-        return [await queue.get()], "handed"
+            return Admission([], "full")  # the engine waits for one to leave
+        return Admission([await queue.get()], "handed")

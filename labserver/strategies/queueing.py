@@ -51,6 +51,7 @@ class Discipline:
     """Which request of a class's line goes next (``pick``), and who is shed now (``shed``)."""
 
     name: ClassVar[str] = ""
+    orders_generation: ClassVar[bool] = False  # a generation queue may use it too (its order is scheduling=)
 
     def __init__(self, limits: Any = None) -> None:
         """``limits``: the strategy's (its codel_* knobs); None: CoDel's defaults, 5 and 100 ms."""
@@ -75,6 +76,7 @@ class FIFO(Discipline):
     """First come, first served: under overload everyone is answered late."""
 
     name = "fifo"
+    orders_generation = True
 
 
 @_discipline
@@ -102,6 +104,7 @@ class CoDel(Discipline):
     """Controlled delay on queue time: while a queue stands, shed whoever waited past the target."""
 
     name = "codel"
+    orders_generation = True  # it only sheds: the order stays scheduling='s
 
     def shed(self, line: Sequence[Any], now: float, standing: bool) -> list[Any]:
         if not standing:
