@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..models import GREEDY, GenModel, InputRejected, ModelLoadError, Sampling
+from ..models import GREEDY, GenModel, InputRejected, Logprob, ModelLoadError, Sampling
 from .base import Counters, EngineBase, ShuttingDown
 from .counters import Metric, count, gauge, tally
 from .output import Detokenizer
-from .sequence import Seq
+from .sequence import EosStandIn, Request, Seq
 
 __all__ = ["GenCounters", "GenEngine", "kv_budget_tokens"]
 
@@ -46,6 +46,12 @@ class GenEngine(EngineBase):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._sids = itertools.count(1)
+        self._eos_ids = frozenset(self.model.eos_ids)
+        self.eos_standin = EosStandIn(self.limits.eos_prob)
+
+    def emit(self, seq: Seq, token: int, now: float, logprob: Logprob | None = None) -> None:
+        """A token the model made for ``seq`` (or EOS in its place: ``eos_prob``), handed over."""
+        seq.emit(self.eos_standin(seq, token, self.model.eos_id), now, self.model.eos_id, self._eos_ids, logprob)
 
     @staticmethod
     def kv_budget_tokens(limits: Any, model: GenModel) -> int:
@@ -102,10 +108,10 @@ class GenEngine(EngineBase):
         if min_tokens and not ignore_eos:
             sampling = replace(sampling or GREEDY, eos_from=len(prompt_ids) + min_tokens)
         seed = hash((tuple(prompt_ids), sampling.seed if sampling else None))  # its EOS stand-in: per request
-        seq = Seq(next(self._sids), prompt_ids, max_new_tokens, asyncio.get_running_loop().create_future(), now,
-                  self.deadline_s(now), ignore_eos, request_id, sampling, tuple(stop), min_tokens,
-                  eos_prob=self.limits.eos_prob, eos_seed=seed, priority=priority, tenant=tenant, parent=parent,
-                  output=Detokenizer(self.model.text, stop))
+        request = Request(prompt_ids, max_new_tokens, now, ignore_eos, request_id, sampling, tuple(stop), min_tokens,
+                          priority, tenant, seed)
+        seq = Seq(next(self._sids), request, asyncio.get_running_loop().create_future(), self.deadline_s(now),
+                  parent=parent, output=Detokenizer(self.model.text, stop))
         self.queue.put([seq])
         return seq
 

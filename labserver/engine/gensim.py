@@ -16,7 +16,8 @@ from typing import Any
 
 from ..models.synthetic import SyntheticGen
 from ..strategies import Strategy
-from .step import Seq, StepEngine
+from .sequence import Request, Seq
+from .step import StepEngine
 from .virtual import VirtualFuture, VirtualQueue, drive
 
 __all__ = ["GenSimRun", "GenVirtualQueue", "simulate_gen"]
@@ -31,12 +32,11 @@ class GenVirtualQueue(VirtualQueue):
     (lower first) and ``tenant`` are what the ``x-priority`` and ``x-tenant`` headers carry.
     """
 
-    def __init__(self, requests: Iterable[tuple[Any, ...]], eos_prob: float = 0.0) -> None:
+    def __init__(self, requests: Iterable[tuple[Any, ...]]) -> None:
         requests = sorted(requests, key=lambda r: r[0])
         super().__init__([r[0] for r in requests])
         self._shapes = deque((int(r[1]), int(r[2]), int(r[3]) if len(r) > 3 else 0, int(r[4]) if len(r) > 4 else 0,
                               str(r[5]) if len(r) > 5 else "") for r in requests)
-        self.eos_prob = eos_prob
         self.seqs: list[Any] = []  # every sequence created, in arrival order
 
     def advance(self, seconds: float) -> None:
@@ -50,8 +50,7 @@ class GenVirtualQueue(VirtualQueue):
             sid = len(self.seqs) + 1
             ids = [1 + i for i in range(min(shared, prompt))]
             ids += [1 + (sid * 100_003 + i) % 49_999 for i in range(prompt - len(ids))]  # its own words
-            seq = Seq(sid, ids, new, VirtualFuture(self.clock), enqueued_s=t, eos_prob=self.eos_prob, eos_seed=sid,
-                      priority=priority, tenant=tenant)
+            seq = Seq(sid, Request(ids, new, t, priority=priority, tenant=tenant, seed=sid), VirtualFuture(self.clock))
             self.seqs.append(seq)
             self.line.put(seq)
 
@@ -89,7 +88,7 @@ def simulate_gen(strategy: Strategy, requests: Iterable[tuple[float, ...]], *, p
     and scheduler with the strategy's own rules (admission, composition, preemption, who
     leaves), KV blocks and ``Limits`` (``eos_prob`` included), run until every request is answered.
     """
-    q = GenVirtualQueue(requests, eos_prob=strategy.limits.eos_prob)
+    q = GenVirtualQueue(requests)
     model = SyntheticGen(prefill_ms, step_ms, per_token_ms=per_token_ms, per_seq_ms=per_seq_ms, sleep=q.advance,
                          kv_bytes_per_token=kv_bytes_per_token)
     engine = StepEngine(strategy, model, clock=q.clock, queue=q)  # type: ignore[arg-type]

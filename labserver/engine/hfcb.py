@@ -368,7 +368,7 @@ class HFEngine(GenEngine):
         for token in tokens:
             if seq.finished or seq.future.done():
                 return
-            seq.emit(token, now, self.model.eos_id, self.model.eos_ids)
+            self.emit(seq, token, now)
             self.counters.tokens_generated += 1
 
     def _done(self, seq: Seq, reason: str | None, error: BaseException | None) -> None:

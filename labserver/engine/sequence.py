@@ -22,7 +22,7 @@ from ..models import Sampling
 from ..models.base import Logprob, position_seed
 from .output import Detokenizer
 
-__all__ = ["Seq", "Status"]
+__all__ = ["EosStandIn", "Request", "Seq", "Status"]
 
 
 class Status(Enum):
@@ -34,28 +34,49 @@ class Status(Enum):
     FINISHED = "finished"  # answered (gen-static computes it again as padding until its batch is done)
 
 
-@dataclass(eq=False)
-class Seq:
-    """One generation request, from the queue through every step it takes part in."""
+@dataclass(frozen=True)
+class Request:
+    """What the client asked, fixed from the queue to the answer (a ``Seq`` reads it as its own fields)."""
 
-    sid: int
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # (never changed: a preempted sequence recomputes it)
     max_new_tokens: int
-    future: Any  # resolves with this Seq when answered, or an exception; cancelled when the client leaves
     enqueued_s: float  # clock time it joined the queue, s
-    deadline_s: float = math.inf  # no first token by then: 504, never prefilled (inf once it has one)
     ignore_eos: bool = False
     request_id: str = ""
     sampling: Sampling | None = None  # how its tokens are chosen (None: greedy), min_tokens folded in as eos_from
     stop: tuple[str, ...] = ()  # it finishes ("stop") once its text contains one of these
     min_tokens: int = 0  # EOS does not end it before this many tokens
-    cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache, not computed (first admission)
-    eos_prob: float = 0.0  # stand-in for a trained model's EOS: after each token it ends with this probability
-    eos_seed: int = 0  # seeds those draws per position (the same request ends at the same token, preempted or not)
+    priority: int = 0  # its class: a lower value is served first (and may displace a higher one: scheduling)
+    tenant: str = ""  # whose request: fair shares are kept per tenant
+    seed: int = 0  # seeds the engine's per-request draws that sampling does not make (the EOS stand-in's)
+
+
+def _asked(name: str) -> property:
+    return property(lambda seq: getattr(seq.request, name), doc=f"The request's ``{name}`` (read-only).")
+
+
+@dataclass(eq=False)
+class Seq:
+    """One generation request, from the queue through every step it takes part in: the request (immutable) and
+    what the engine has made of it so far."""
+
+    sid: int
+    request: Request
+    future: Any  # resolves with this Seq when answered, or an exception; cancelled when the client leaves
+    deadline_s: float = math.inf  # no first token by then: 504, never prefilled (inf once it has one)
+    parent: Seq | None = field(default=None, repr=False)  # n > 1: the request's first choice (its prompt blocks
+    #   are shared with this one once computed)
+    # -- what it has made, and the scheduler's state
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "length" | "eos" | "stop" once finished
     computed: int = 0  # positions (prompt, then tokens) whose keys and values are in the KV cache
     status: Status = Status.WAITING  # the scheduler's: set at admission, preemption and after each call
+    logprobs: list[Logprob] = field(default_factory=list)  # one per token, when its sampling asks (Sampling.logprobs)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)  # one per prompt token after the first (echo)
+    output: Detokenizer | None = field(default=None, repr=False)  # its text as it comes, stop strings found there
+    #   (None: nobody reads its text, e.g. on a virtual clock)
+    # -- its times and counts, for /stats and the step log
+    cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache, not computed (first admission)
     preemptions: int = 0  # times its blocks were taken back and it was requeued to be recomputed
     admitted_s: float = math.nan  # its first prefill started
     first_token_s: float = math.nan
@@ -63,15 +84,18 @@ class Seq:
     steps: int = 0  # decode steps it took part in while generating
     step_batch_sum: int = 0  # sum of those steps' sizes (for its mean batch)
     replica: str = ""  # behind a router: the replica generating it (known by its first token)
-    priority: int = 0  # its class: a lower value is served first (and may displace a higher one: scheduling)
-    tenant: str = ""  # whose request: fair shares are kept per tenant
-    parent: Seq | None = field(default=None, repr=False)  # n > 1: the request's first choice (its prompt blocks
-    #   are shared with this one once computed)
-    logprobs: list[Logprob] = field(default_factory=list)  # one per token, when its sampling asks (Sampling.logprobs)
-    prompt_logprobs: list[Logprob] = field(default_factory=list)  # one per prompt token after the first (echo)
-    output: Detokenizer | None = field(default=None, repr=False)  # its text as it comes, stop strings found there
-    #   (None: nobody reads its text, e.g. on a virtual clock)
     _wake: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    prompt_ids = _asked("prompt_ids")
+    max_new_tokens = _asked("max_new_tokens")
+    enqueued_s = _asked("enqueued_s")
+    ignore_eos = _asked("ignore_eos")
+    request_id = _asked("request_id")
+    sampling = _asked("sampling")
+    stop = _asked("stop")
+    min_tokens = _asked("min_tokens")
+    priority = _asked("priority")
+    tenant = _asked("tenant")
 
     @property
     def reserve(self) -> int:
@@ -114,24 +138,24 @@ class Seq:
         s = self.sampling
         return s is not None and s.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
+    @property
+    def may_end(self) -> bool:
+        """EOS would end it now (not ignored, ``min_tokens`` made)."""
+        return not self.ignore_eos and len(self.tokens) >= self.min_tokens
+
     def emit(self, token: int, now: float, eos_id: int | None, eos_ids: Collection[int] = (),
              logprob: Logprob | None = None) -> None:
         """Append a token; finish on a stop string, max_new_tokens or EOS; wake whoever streams it.
 
         ``logprob``: the model's for the token it chose (kept when its sampling asks for them;
-        NaN for a token the EOS stand-in put in its place).
+        NaN when the engine put another token in its place: ``EosStandIn``).
         ``eos_ids``: further tokens that end it as EOS does (a model whose config lists several).
-        The token's text goes to ``output`` (decoded once, where stop strings are found). With
-        ``eos_prob``, the token becomes EOS with that probability, drawn per position: a trained
-        model's end of answer, which nobody can know in advance (random weights never choose it).
+        The token's text goes to ``output`` (decoded once, where stop strings are found).
         """
         if not self.tokens:
             self.first_token_s = now
             self.deadline_s = math.inf  # the deadline is for the first token: a preempted stream is not 504'd
-        may_end = not self.ignore_eos and len(self.tokens) >= self.min_tokens
-        if (self.eos_prob and may_end and eos_id is not None
-                and random.Random(position_seed(self.eos_seed, self.kv_tokens)).random() < self.eos_prob):
-            token = eos_id
+        may_end = self.may_end
         self.tokens.append(token)
         if logprob is not None:
             self.logprobs.append(logprob if logprob.token == token else Logprob(token, math.nan))
@@ -180,3 +204,19 @@ class Seq:
         if self._wake is None or self._wake.done():
             self._wake = asyncio.get_running_loop().create_future()
         return self._wake
+
+
+class EosStandIn:
+    """``Limits.eos_prob``: a stand-in for a trained model's end of answer, for models that never choose EOS
+    (random weights). After each token that may end it, the token becomes EOS with this probability,
+    drawn per position from the request's seed: the same request ends at the same token, preempted or not."""
+
+    def __init__(self, prob: float) -> None:
+        self.prob = prob
+
+    def __call__(self, seq: Seq, token: int, eos_id: int | None) -> int:
+        """The token to emit in place of ``token``."""
+        if (self.prob and eos_id is not None and seq.may_end
+                and random.Random(position_seed(seq.request.seed, seq.kv_tokens)).random() < self.prob):
+            return eos_id
+        return token

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..models import GenModel, InputRejected, Logprob, ModelLoadError, Sampling
+from ..models import GenModel, InputRejected, ModelLoadError, Sampling
 from ..strategies import GenStrategy
 from .blocks import BlockManager
 from .counters import Metric, gauge
@@ -60,9 +60,8 @@ class StepEngine(GenEngine):
         self.blocks = BlockManager(budget // limits.kv_block_tokens, limits.kv_block_tokens,
                                    prefix_cache=limits.prefix_cache)
         model.allocate_kv(self.blocks.total, self.blocks.block_tokens)
-        self.scheduler = Scheduler(strategy, self.queue, self.blocks, self.counters, clock, self.live, self._emit,
+        self.scheduler = Scheduler(strategy, self.queue, self.blocks, self.counters, clock, self.live, self.emit,
                                    history)
-        self._eos_ids = frozenset(model.eos_ids)
         self.in_flight = self.scheduler.running.seqs  # (the same list) what drain waits for and a dying worker fails
 
     @property
@@ -117,9 +116,6 @@ class StepEngine(GenEngine):
         if released:
             self.scheduler.released = []
             await self.call(self.model.release, released)
-
-    def _emit(self, seq: Seq, token: int, now: float, logprob: Logprob | None = None) -> None:
-        seq.emit(token, now, self.model.eos_id, self._eos_ids, logprob)
 
     # -- what /stats shows ------------------------------------------------------------------
     def metrics(self) -> list[Metric]:

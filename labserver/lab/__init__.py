@@ -52,6 +52,7 @@ __all__ = [
     "claim",
     "compare",
     "NOISE",
+    "pct",
     "saturated",
     "say",
     "spread",
