@@ -75,6 +75,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -283,10 +284,23 @@ def write_results(out_path: str, numbers: dict[str, Any], rows: list[dict[str, A
     lines += [f"{r['target']:<{width}}{r['value']:>8.3f}  {r['goal']:<9}{r['result']:<7}{r['detail']}" for r in rows]
     lines.append(footer)
     print("\n".join(lines[2:]))
+    save_json(out_path, numbers).with_suffix(".txt").write_text("\n".join(lines) + "\n")
+
+
+def save_json(out_path: str, numbers: dict[str, Any]) -> Path:
+    """Every number of a run, as JSON at ``out_path`` (its folder made)."""
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(numbers, indent=1, default=str))
-    out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
+    return out
+
+
+def exit_status(args: Any, numbers: dict[str, Any], rows: list[dict[str, Any]],
+                smoke_checks: Callable[[dict[str, Any], Any], Checks]) -> int:
+    """A smoke run's verdict (it measured what it reports), else 1 when a target FAILed: every benchmark's end."""
+    if args.smoke:
+        return smoke_checks(numbers, args).verdict()
+    return 0 if all(r["result"] != "FAIL" for r in rows) else 1
 
 
 def per(a: float, b: float) -> float:
@@ -484,11 +498,8 @@ def main() -> int:
     for r in rows:
         print(f"{r['target']:<{width}}  {r['value']:>8.3f}  {r['goal']:<9} {r['result']:<6}  {r['detail']}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(numbers, indent=1, default=str))
-    if args.smoke:
-        return smoke_checks(numbers, args).verdict()
-    return 0 if all(r["result"] != "FAIL" for r in rows) else 1
+        save_json(args.out, numbers)
+    return exit_status(args, numbers, rows, smoke_checks)
 
 
 if __name__ == "__main__":

@@ -46,18 +46,16 @@ when those hold, else 1 with each failed check on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import genperf  # (benchmarks/ is the script's folder: on the path)
-from genperf import per
+from genperf import exit_status, per, save_json
 
 import labserver
 from labserver import analysis
@@ -295,14 +293,10 @@ def main() -> int:
         f"{r['target']:<{width}}  {r['value']:>8.3f}  {r['goal']:<8} {r['result']:<6}  {r['detail']}" for r in rows])
     print("\n" + table)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(numbers, indent=1, default=str))
+        out = save_json(args.out, numbers)
         out.with_suffix(".txt").write_text(f"$ {numbers['command']}\n{numbers['machine']['when']}\n\n{table}\n")
         print(f"wrote {out} and {out.with_suffix('.txt')}", file=sys.stderr)
-    if args.smoke:
-        return smoke_checks(numbers, args).verdict()
-    return 0 if all(r["result"] != "FAIL" for r in rows) else 1
+    return exit_status(args, numbers, rows, smoke_checks)
 
 
 if __name__ == "__main__":

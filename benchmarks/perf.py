@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import re
@@ -47,7 +46,7 @@ from labserver.experiments.runs import machine_info
 from labserver.loadgen import run_load_sync
 from labserver.strategies import BatchCost
 
-from genperf import Checks  # a smoke run's checks (benchmarks/ is the script's folder: on the path)
+from genperf import Checks, exit_status, save_json  # a smoke run's checks (benchmarks/ is the script's folder: on the path)
 
 HERE = Path(__file__).resolve().parent
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank today."  # 16 tokens
@@ -564,11 +563,8 @@ def main() -> int:
         value = "-" if r["value"] is None else f"{r['value']:.3f}"
         print(f"{r['target']:<{width}}  {value:>8}  {r['goal']:<22} {r['result']:<6}  {r['detail']}")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(numbers, indent=1, default=str))
-    if args.smoke:
-        return smoke_checks(numbers, args).verdict()
-    return 0 if all(r["result"] != "FAIL" for r in rows) else 1
+        save_json(args.out, numbers)
+    return exit_status(args, numbers, rows, smoke_checks)
 
 
 if __name__ == "__main__":

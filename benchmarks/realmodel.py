@@ -71,7 +71,7 @@ from typing import Any
 
 import genperf  # (benchmarks/ is the script's folder: on the path)
 import servedperf
-from genperf import Checks, check_run, per, row, write_results
+from genperf import Checks, check_run, exit_status, per, row, write_results
 
 import labserver
 from labserver import analysis
@@ -379,9 +379,7 @@ def main() -> int:
               f"the end, on {os.cpu_count()} cores shared with other work now and then)\n{MEANING}")
     write_results(args.out, numbers, rows, footer, width=max(len(r["target"]) for r in rows) + 2)
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.txt')}", file=sys.stderr)
-    if args.smoke:
-        return smoke_checks(numbers, args).verdict()
-    return 0 if all(r["result"] != "FAIL" for r in rows) else 1
+    return exit_status(args, numbers, rows, smoke_checks)
 
 
 if __name__ == "__main__":

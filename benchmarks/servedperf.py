@@ -35,7 +35,6 @@ by client and server, the breakdowns' parts summing to no more than the calls), 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import resource
@@ -48,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import genperf  # (benchmarks/ is the script's folder: on the path)
-from genperf import Checks, check_run, measure, offline_engine, per, row, server, workload
+from genperf import Checks, check_run, exit_status, measure, offline_engine, per, row, save_json, server, workload
 
 from labserver.experiments.runs import machine_info
 from labserver.models import load_model, on_fresh_thread
@@ -257,14 +256,10 @@ def main() -> int:
     lines += [f"{r['target']:<58}{r['value']:>8.3f}  {r['goal']:<8}{r['result']:<8}{r['detail']}" for r in rows]
     lines.append(f"({numbers['seconds'] / 60:.1f} min)")
     print("\n".join(lines[2:]))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(numbers, indent=1, default=str))
+    out = save_json(args.out, numbers)
     out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     print(f"wrote {out} and {out.with_suffix('.txt')}", file=sys.stderr)
-    if args.smoke:
-        return smoke_checks(numbers, args).verdict()
-    return 0 if all(r["result"] != "FAIL" for r in rows) else 1
+    return exit_status(args, numbers, rows, smoke_checks)
 
 
 if __name__ == "__main__":

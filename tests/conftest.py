@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,3 +28,23 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     made = {family: write_tiny(family, root / family) for family in FAMILIES}
     made["llama-mha"] = write_tiny("llama", root / "llama-mha", kv_heads=8)  # the multi-head twin
     return made
+
+
+@pytest.fixture
+def untouched_rcparams() -> Iterator[None]:
+    """A plot may style its own figure, never the session's matplotlib defaults (every plot test uses it)."""
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    before = copy.deepcopy(dict(matplotlib.rcParams))
+    yield
+    plt.close("all")
+    assert dict(matplotlib.rcParams) == before
+
+
+@pytest.fixture
+def ax(untouched_rcparams: None) -> Any:
+    """A fresh axes to draw on."""
+    import matplotlib.pyplot as plt
+
+    return plt.subplots()[1]

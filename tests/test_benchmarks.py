@@ -12,8 +12,17 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def smoke(script: str, out: Path, *args: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess[str], Any]:
+    """Run ``benchmarks/<script>`` with ``args`` and ``--smoke --out out``; its run (exit 0 asserted) and its JSON."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args, "--smoke", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, json.loads(out.read_text())
 
 
 def test_perf_script_prints_every_target(tmp_path: Path) -> None:
@@ -93,10 +102,7 @@ def test_crosscheck_script_runs_its_own_part(tmp_path: Path) -> None:
 
 def test_kvperf_quick_prints_every_target(tmp_path: Path) -> None:
     out = tmp_path / "kvperf.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kvperf.py"), "--quick", "--smoke", "--out",
-                          str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    numbers = json.loads(out.read_text())
+    run, numbers = smoke("kvperf.py", out, "--quick")
     targets = [r["target"] for r in numbers["rows"]]
     for prefix in ("1 paged/reserved tokens/s", "1 mean sequences per decode step", "2 prefix cache: p50 TTFT",
                    "2 prefix cache: tokens/s", "2 prefix cache: hit rate", "3 chunked/eager p99 ITL",
@@ -115,12 +121,8 @@ def test_kvperf_quick_prints_every_target(tmp_path: Path) -> None:
 
 
 def test_servedperf_smoke_measures_both_sides_in_the_same_terms(tmp_path: Path) -> None:
-    out = tmp_path / "servedperf.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "servedperf.py"), "--model", "gpt2-tiny-random",
-                          "--rounds", "1", "--warmup", "2", "--duration", "4", "--smoke", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    numbers = json.loads(out.read_text())
+    run, numbers = smoke("servedperf.py", tmp_path / "servedperf.json", "--model", "gpt2-tiny-random", "--rounds", "1",
+                         "--warmup", "2", "--duration", "4")
     (r,) = numbers["rounds"]
     for where in ("served", "offline"):
         m = r[where]
@@ -132,12 +134,8 @@ def test_servedperf_smoke_measures_both_sides_in_the_same_terms(tmp_path: Path) 
 
 
 def test_routeperf_smoke_simulates_every_policy_row(tmp_path: Path) -> None:
-    out = tmp_path / "routeperf.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "routeperf.py"), "--requests", "20000", "--smoke",
-                          "--no-live", "--out", str(out)],  # (live on Ray: tests/test_replicas.py)
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    numbers = json.loads(out.read_text())
+    run, numbers = smoke("routeperf.py", tmp_path / "routeperf.json", "--requests", "20000", "--no-live",
+                         timeout=300)  # (live on Ray: tests/test_replicas.py)
     assert all("simulated" in r["target"] and r["target"] in run.stdout for r in numbers["rows"])
     runs = numbers["runs"]
     assert set(runs["theory"]) == {"random", "pow2", "least-loaded", "round-robin"}
@@ -146,13 +144,9 @@ def test_routeperf_smoke_simulates_every_policy_row(tmp_path: Path) -> None:
 
 
 def test_overload_smoke_measures_every_discipline_priority_and_tenant(tmp_path: Path) -> None:
-    out = tmp_path / "overload.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "overload.py"), "--smoke", "--encoder-models",
-                          "synthetic:20+2", "--seconds", "2", "--recovery", "2", "--probe-s", "2", "--interactive", "20",
-                          "--unloaded-rate", "20", "--fair-s", "2", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    numbers = json.loads(out.read_text())
+    run, numbers = smoke("overload.py", tmp_path / "overload.json", "--encoder-models", "synthetic:20+2", "--seconds",
+                         "2", "--recovery", "2", "--probe-s", "2", "--interactive", "20", "--unloaded-rate", "20",
+                         "--fair-s", "2")
     runs = numbers["runs"]["encoders"]["synthetic:20+2"]["runs"]
     assert set(runs) == {"fifo", "fifo+cap", "codel", "adaptive-lifo", "deadline"}
     # at twice the capacity the capped queue and deadline admission refused some, each with its reason
@@ -162,12 +156,8 @@ def test_overload_smoke_measures_every_discipline_priority_and_tenant(tmp_path: 
 
 
 def test_padperf_smoke_measures_both_rules_and_their_padding(tmp_path: Path) -> None:
-    out = tmp_path / "padperf.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "padperf.py"), "--smoke", "--seconds", "3",
-                          "--warmup", "0.5", "--users", "48", "--rounds", "1", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    numbers = json.loads(out.read_text())
+    run, numbers = smoke("padperf.py", tmp_path / "padperf.json", "--seconds", "3", "--warmup", "0.5", "--users", "48",
+                         "--rounds", "1")
     (r,) = numbers["runs"]["rounds"]
     assert {"thread@sat", "tokens@sat", "naive@sat", "thread@70", "tokens@70", "thread@same", "tokens@same",
             "offline", "offline_1thread"} <= set(r)
@@ -194,10 +184,7 @@ def test_foldercheck_compares_every_family_with_transformers(tmp_path: Path) -> 
 def test_realmodel_smoke_measures_every_part(tmp_path: Path) -> None:
     """gpt2-tiny-random for labserver's parts (the same code path as smollm2); llama-server when it is built."""
     out = tmp_path / "realmodel.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "realmodel.py"), "--smoke", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    numbers = json.loads(out.read_text())
+    run, numbers = smoke("realmodel.py", out)
     targets = [r["target"] for r in numbers["rows"]]
     for prefix in ("1 served/offline tokens/s", "2 served decode call of 4", "3 labserver / llama-server output "
                    "tokens/s, 1 streams", "3 labserver / llama-server TTFT p50, 4 streams", "4 labserver tokens/s"):
@@ -214,21 +201,14 @@ def test_realmodel_smoke_measures_every_part(tmp_path: Path) -> None:
 
 
 def test_stopperf_smoke_times_every_length_and_the_rule_it_replaced(tmp_path: Path) -> None:
-    out = tmp_path / "stopperf.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "stopperf.py"), "--smoke", "--rounds", "1",
-                          "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    fig = json.loads(out.read_text())["figures_us"]
+    run, numbers = smoke("stopperf.py", tmp_path / "stopperf.json", "--rounds", "1", timeout=300)
+    fig = numbers["figures_us"]
     assert set(fig) == {"long_16", "short_16", "mid_16", "mid_0", "old_16", "old_short_16"}
     assert run.stdout.count("| per token,") == 3 and run.stdout.count("PASS") + run.stdout.count("FAIL") == 2
 
 
 def test_roofline_smoke_measures_the_machine_the_floors_and_one_step(tmp_path: Path) -> None:
-    out = tmp_path / "roofline.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "roofline.py"), "--smoke", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
-    assert run.returncode == 0, run.stderr[-3000:]
-    numbers = json.loads(out.read_text())
+    run, numbers = smoke("roofline.py", tmp_path / "roofline.json", timeout=300)
     assert numbers["machine"]["read_gb_s"] > 0 and numbers["machine"]["matmul_fp32_gflop_s"] > 0
     assert [r["sequences"] for r in numbers["rows"]] == [1, 4]
     assert all(r["measured_ms"] > 0 and r["floor_ms"] > 0 and r["bound"] in ("memory", "compute")

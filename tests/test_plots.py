@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import matplotlib
 
 matplotlib.use("Agg")  # before pyplot: tests never open windows
@@ -15,6 +13,8 @@ import pytest  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from labserver import analysis, plots  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("untouched_rcparams")  # (tests/conftest.py)
 
 
 def fake_run(rate: float, max_batch: int = 4, compute_ms: float = 20.0, n: int = 120, seed: int = 0,
@@ -60,19 +60,6 @@ def foreign_run(n: int = 20) -> pd.DataFrame:
         frame[name] = np.nan
     frame["dispatch"] = np.nan
     return frame
-
-
-@pytest.fixture(autouse=True)
-def untouched_rcparams():
-    before = copy.deepcopy(dict(matplotlib.rcParams))
-    yield
-    plt.close("all")
-    assert dict(matplotlib.rcParams) == before
-
-
-@pytest.fixture
-def ax():
-    return plt.subplots()[1]
 
 
 @pytest.fixture

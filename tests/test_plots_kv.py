@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import matplotlib
 
 matplotlib.use("Agg")  # before pyplot: tests never open windows
@@ -17,18 +15,7 @@ from labserver import plots  # noqa: E402
 
 from .test_plots_tokens import bars, legend_texts, ms  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def untouched_rcparams():
-    before = copy.deepcopy(dict(matplotlib.rcParams))
-    yield
-    plt.close("all")
-    assert dict(matplotlib.rcParams) == before
-
-
-@pytest.fixture
-def ax():
-    return plt.subplots()[1]
+pytestmark = pytest.mark.usefixtures("untouched_rcparams")  # (tests/conftest.py)
 
 
 def step(n: int, kind: str, seqs: tuple, used: int, cached: int = 0, prefilling: tuple = (),

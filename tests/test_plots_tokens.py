@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import matplotlib
 
 matplotlib.use("Agg")  # before pyplot: tests never open windows
@@ -17,18 +15,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from labserver import plots  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def untouched_rcparams():
-    before = copy.deepcopy(dict(matplotlib.rcParams))
-    yield
-    plt.close("all")
-    assert dict(matplotlib.rcParams) == before
-
-
-@pytest.fixture
-def ax():
-    return plt.subplots()[1]
+pytestmark = pytest.mark.usefixtures("untouched_rcparams")  # (tests/conftest.py)
 
 
 def legend_texts(ax) -> list[str]:
