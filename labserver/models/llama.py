@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from .kvcache import CallPlan
-from .paged import PagedLM
+from .paged import PagedLM, side_by_side
 
 __all__ = ["LlamaGen"]
 
@@ -55,6 +55,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + turned * sin
 
 
+class _Packed:
+    """One layer's projections as three matmuls, not seven: q, k and v side by side (with their biases, Qwen2),
+    gate and up side by side; o and down transposed alone (``side_by_side``: the module's weights are views)."""
+
+    def __init__(self, layer: Any) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.split = [m.weight.shape[0] for m in projections]
+        self.qkv, self.o = side_by_side(*projections), side_by_side(attn.o_proj)
+        self.gate_up, self.down = side_by_side(mlp.gate_proj, mlp.up_proj), side_by_side(mlp.down_proj)
+        self.qkv_bias, self.o_bias = _biases(*projections), _biases(attn.o_proj)  # (Qwen2; Llama's attention_bias)
+        self.gate_up_bias, self.down_bias = _biases(mlp.gate_proj, mlp.up_proj), _biases(mlp.down_proj)  # (mlp_bias)
+
+
+def _biases(*linears: Any) -> torch.Tensor | None:
+    """Their biases end to end (zeros for one without), or None when none has one."""
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat([torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device) if m.bias is None
+                      else m.bias.detach() for m in linears])
+
+
+def _times(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight (+ bias): a packed projection."""
+    return x @ weight if bias is None else torch.addmm(bias, x, weight)
+
+
 class LlamaGen(PagedLM):
     """A GenModel over a Llama-shaped ``...ForCausalLM`` (Llama, Qwen2, Qwen3, Mistral), run by ``_forward``."""
 
@@ -68,6 +95,7 @@ class LlamaGen(PagedLM):
         self.qk_norm = hasattr(hf_model.model.layers[0].self_attn, "q_norm")
         super().__init__(name, hf_model, tokenizer, layers=config.num_hidden_layers, kv_heads=kv_heads,
                          head_dim=self.head_dim, max_context=max_context, eos_id=eos_id, note=note)
+        self._packed = [_Packed(layer) for layer in hf_model.model.layers]
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: CallPlan) -> torch.Tensor:
         """One flattened call ([tokens] ids at their positions) -> final hidden states [tokens, width]."""
@@ -78,22 +106,22 @@ class LlamaGen(PagedLM):
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
         heads, kv_heads, dim = self.heads, self.kv.heads, self.head_dim
         costs = self.costs
-        for i, layer in enumerate(body.layers):
+        for i, (layer, w) in enumerate(zip(body.layers, self._packed, strict=True)):
             t0 = time.perf_counter() if costs else 0.0
             attn = layer.self_attn
             h = _rms_norm(x, layer.input_layernorm)
-            q, k = attn.q_proj(h).view(t, heads, dim), attn.k_proj(h).view(t, kv_heads, dim)
+            q, k, v = _times(h, w.qkv, w.qkv_bias).split(w.split, dim=-1)  # q, k and v in one matmul
+            q, k, v = q.view(t, heads, dim), k.view(t, kv_heads, dim), v.view(t, kv_heads, dim)
             if self.qk_norm:  # Qwen3: each head normalised before it is rotated
                 q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            v = attn.v_proj(h).view(t, kv_heads, dim)
             t1 = time.perf_counter() if costs else 0.0
             attended = self.kv.attend(i, q, k, v, plan).reshape(t, heads * dim)  # query heads share KV heads
             t2 = time.perf_counter() if costs else 0.0
-            x = x + attn.o_proj(attended)
+            x = x + _times(attended, w.o, w.o_bias)
             h = _rms_norm(x, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))  # SwiGLU
+            gate, up = _times(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # gate and up in one matmul
+            x = x + _times(layer.mlp.act_fn(gate) * up, w.down, w.down_bias)  # SwiGLU
             if costs:
                 costs.attention_s += t2 - t1
                 costs.matmul_s += t1 - t0 + time.perf_counter() - t2

@@ -35,7 +35,7 @@ from .configs import kv_bytes_per_token
 from .kvcache import CallPlan, PagedKV
 from .sampling import choose, logprobs_of
 
-__all__ = ["Costs", "PagedLM", "TokenizerText", "TransformersOnly"]
+__all__ = ["Costs", "PagedLM", "TokenizerText", "TransformersOnly", "side_by_side"]
 
 
 @dataclass
@@ -74,6 +74,26 @@ class Costs:
         rest = self.total_s - self.attention_s - self.matmul_s
         return {"attention": 1000 * self.attention_s / n, "matmul": 1000 * self.matmul_s / n,
                 "other": 1000 * rest / n, "total": 1000 * self.total_s / n}
+
+
+def side_by_side(*linears: Any) -> torch.Tensor:
+    """These ``nn.Linear`` weights (one input) side by side and transposed once: one ``[in, sum of outs]``
+    contiguous tensor, of which each module's weight becomes a view. ``x @ packed`` computes all of them in
+    one matmul, and each module still computes its own part (``F.linear(x, W)`` multiplies by ``W.T``: a
+    block of ``packed``). Nothing is held twice.
+
+    Why: a decode step multiplies one row per sequence by every weight, so it is a matrix-vector
+    product bound by how fast the weights are read. On a CPU, torch reads ``[in, out]`` weights
+    faster than the ``[out, in]`` transformers stores (``benchmarks/roofline.py`` measures both), and
+    one matmul for several projections is one op instead of several."""
+    with torch.no_grad():
+        packed = torch.cat([m.weight.detach() for m in linears], 0).t().contiguous()
+        start = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight.data = packed[:, start:start + n].t()
+            start += n
+    return packed
 
 
 def _is_wordpiece(tokenizer: Any) -> bool:
@@ -182,6 +202,7 @@ class PagedLM(TokenizerText):
         self._live: set[int] = set()  # sequences prefilled and not released
         self._head = hf_model.get_output_embeddings()  # (found once: _logits runs every step)
         weight = self._head.weight
+        self._head_t = side_by_side(self._head)  # [width, vocab] (an embedding tied to it reads its rows)
         self.kv = PagedKV(layers, kv_heads, head_dim, weight.device, weight.dtype)
         self.costs: Costs | None = None  # set a Costs to time every call's parts (a benchmark's breakdown)
 
@@ -196,7 +217,7 @@ class PagedLM(TokenizerText):
         raise NotImplementedError
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = hidden @ self._head.weight.T  # (tied to the embeddings in GPT-2 and the small Qwens)
+        head = hidden @ self._head_t  # (tied to the embeddings in GPT-2, SmolLM2 and the small Qwens)
         return head if self._head.bias is None else head + self._head.bias
 
     # -- the two steps (one computation: a decode is a chunk of one token) ------------------

@@ -23,16 +23,16 @@ from typing import Any, ClassVar
 from .queueing import priority_of, tenant_of
 from ..registry import make, registrar
 
-__all__ = ["SCHEDULING", "FCFS", "Fair", "Priority", "SLOAware", "Scheduling", "make_scheduling"]
+__all__ = ["SCHEDULING", "FCFS", "Fair", "Priority", "SLOAware", "SchedulingPolicy", "make_scheduling"]
 
 
-SCHEDULING: dict[str, type[Scheduling]] = {}
+SCHEDULING: dict[str, type[SchedulingPolicy]] = {}
 
 
 _scheduling = registrar(SCHEDULING, "scheduling policy")
 
 
-class Scheduling:
+class SchedulingPolicy:
     """The order the waiting are considered in (``arrange``), whom a newcomer displaces (``displace``),
     and what a sequence was served (``served``, for rules that keep accounts)."""
 
@@ -61,14 +61,14 @@ class Scheduling:
 
 
 @_scheduling
-class FCFS(Scheduling):
+class FCFS(SchedulingPolicy):
     """First come, first served within a priority class; a lower class waits while a higher one does."""
 
     name = "fcfs"
 
 
 @_scheduling
-class Priority(Scheduling):
+class Priority(SchedulingPolicy):
     """vLLM's priority scheduling: a newcomer that does not fit preempts the newest running sequence of
     a lower class (a higher value); it is recomputed later, losing and repeating no token."""
 
@@ -83,7 +83,7 @@ class Priority(Scheduling):
 
 
 @_scheduling
-class Fair(Scheduling):
+class Fair(SchedulingPolicy):
     """Fair shares across tenants by a virtual token counter (Sheng et al., OSDI 2024).
 
     Each tenant's counter adds the tokens served to it, prompt tokens at ``prefill_weight``
@@ -116,7 +116,7 @@ class Fair(Scheduling):
 
 
 @_scheduling
-class SLOAware(Scheduling):
+class SLOAware(SchedulingPolicy):
     """Earliest TTFT deadline first among those that can still make theirs; those that cannot go after.
 
     A request's deadline is its arrival plus its class's TTFT target (``ttft_targets_ms``;
@@ -130,14 +130,12 @@ class SLOAware(Scheduling):
     def __init__(self, limits: Any) -> None:
         super().__init__(limits)
         self.steps: deque[tuple[int, float]] = deque(maxlen=256)  # (batch, ms) of recent decode steps
-        self.now = 0.0
 
     def deadline(self, seq: Any) -> float:
         target = (self.limits.ttft_targets_ms or {}).get(priority_of(seq))
         return seq.enqueued_s + target / 1000 if target is not None else math.inf
 
     def arrange(self, waiting: list[Any], running: Iterable[Any], now: float) -> list[Any]:
-        self.now = now
         can = sorted((s for s in waiting if self.deadline(s) >= now), key=self.deadline)
         missed = [s for s in waiting if self.deadline(s) < now]
         return can + missed
@@ -165,5 +163,5 @@ class SLOAware(Scheduling):
         return self.step_ms(len(running) + len(joining) + 1) <= min(tight)
 
 
-def make_scheduling(limits: Any) -> Scheduling:
+def make_scheduling(limits: Any) -> SchedulingPolicy:
     return make(SCHEDULING, "scheduling policy", limits.scheduling, limits)  # type: ignore[no-any-return]
