@@ -147,6 +147,13 @@ def _smollm2(spec: str, *, device: str, dtype: str, task: str | None) -> GenMode
     return load_folder(str(folder()), device=device, dtype=dtype, name=NAME)  # type: ignore[no-any-return]
 
 
+@register_model("smollm2-q4", "generate")
+def _smollm2_q4(spec: str, *, device: str, dtype: str, task: str | None) -> GenModel:
+    from .smollm2 import load_q4
+
+    return load_q4(device)  # type: ignore[no-any-return]
+
+
 @register_model("gpt2-tiny-random", "generate")
 @register_model("gpt2-random", "generate")
 def _gpt2(spec: str, *, device: str, dtype: str, task: str | None) -> GenModel:

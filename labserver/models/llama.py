@@ -33,11 +33,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .kvcache import CallPlan
-from .paged import PagedLM, side_by_side
+from .linear import Dense, Int4, dequantized, q4_1_blocks
+from .paged import PagedLM
 
 __all__ = ["LlamaGen"]
 
@@ -56,30 +58,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _Packed:
-    """One layer's projections as three matmuls, not seven: q, k and v side by side (with their biases, Qwen2),
-    gate and up side by side; o and down transposed alone (``side_by_side``: the module's weights are views)."""
+    """One layer's projections as four calls, not seven: q, k and v side by side, gate and up side by side, o and
+    down alone (``labserver.models.linear``: ``Dense`` float weights, or a GGUF's ``Int4`` blocks)."""
 
     def __init__(self, layer: Any) -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.split = [m.weight.shape[0] for m in projections]
-        self.qkv, self.o = side_by_side(*projections), side_by_side(attn.o_proj)
-        self.gate_up, self.down = side_by_side(mlp.gate_proj, mlp.up_proj), side_by_side(mlp.down_proj)
-        self.qkv_bias, self.o_bias = _biases(*projections), _biases(attn.o_proj)  # (Qwen2; Llama's attention_bias)
-        self.gate_up_bias, self.down_bias = _biases(mlp.gate_proj, mlp.up_proj), _biases(mlp.down_proj)  # (mlp_bias)
-
-
-def _biases(*linears: Any) -> torch.Tensor | None:
-    """Their biases end to end (zeros for one without), or None when none has one."""
-    if all(m.bias is None for m in linears):
-        return None
-    return torch.cat([torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device) if m.bias is None
-                      else m.bias.detach() for m in linears])
-
-
-def _times(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight (+ bias): a packed projection."""
-    return x @ weight if bias is None else torch.addmm(bias, x, weight)
+        self.qkv, self.o = Dense(attn.q_proj, attn.k_proj, attn.v_proj), Dense(attn.o_proj)
+        self.gate_up, self.down = Dense(mlp.gate_proj, mlp.up_proj), Dense(mlp.down_proj)
 
 
 class LlamaGen(PagedLM):
@@ -97,6 +82,33 @@ class LlamaGen(PagedLM):
                          head_dim=self.head_dim, max_context=max_context, eos_id=eos_id, note=note)
         self._packed = [_Packed(layer) for layer in hf_model.model.layers]
 
+    def use_q4_1(self, tensors: dict[str, Any]) -> None:
+        """Every layer's projections from a GGUF's own Q4_1 blocks (``Int4``): ``tensors`` by GGUF name
+        (``gguf.GGUFReader``'s). Each is checked first: dequantized, it must equal the float weight loaded
+        from the same file, bit for bit (q and k with llama.cpp's row order for rotary undone)."""
+        names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                 "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+        heads = {"q_proj": self.heads, "k_proj": self.kv.heads}
+        for i, (layer, w) in enumerate(zip(self.hf_model.model.layers, self._packed, strict=True)):
+            parts = {}
+            for module, linear in [*((n, getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj",
+                                                                                  "o_proj")),
+                                   *((n, getattr(layer.mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))]:
+                tensor = tensors[f"blk.{i}.{names[module]}.weight"]
+                if tensor.tensor_type.name != "Q4_1":
+                    raise ValueError(f"blk.{i}.{names[module]} is {tensor.tensor_type.name}, not Q4_1")
+                q, d, m = q4_1_blocks(tensor.data)
+                if module in heads:  # llama.cpp stores each head's rotary halves interleaved: its rows, reordered
+                    n = q.shape[0]
+                    rows = np.arange(n).reshape(heads[module], n // heads[module] // 2, 2).swapaxes(1, 2).reshape(-1)
+                    q, d, m = q[rows], d[rows], m[rows]
+                if not torch.equal(dequantized(q, d, m), linear.weight.detach()):
+                    raise ValueError(f"layer {i} {module}: the GGUF's blocks are not the weights loaded")
+                parts[module] = (q, d, m)
+            w.qkv = Int4([parts["q_proj"], parts["k_proj"], parts["v_proj"]], w.qkv.bias)
+            w.o, w.down = Int4([parts["o_proj"]], w.o.bias), Int4([parts["down_proj"]], w.down.bias)
+            w.gate_up = Int4([parts["gate_proj"], parts["up_proj"]], w.gate_up.bias)
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: CallPlan) -> torch.Tensor:
         """One flattened call ([tokens] ids at their positions) -> final hidden states [tokens, width]."""
         body = self.hf_model.model
@@ -110,7 +122,7 @@ class LlamaGen(PagedLM):
             t0 = time.perf_counter() if costs else 0.0
             attn = layer.self_attn
             h = _rms_norm(x, layer.input_layernorm)
-            q, k, v = _times(h, w.qkv, w.qkv_bias).split(w.split, dim=-1)  # q, k and v in one matmul
+            q, k, v = w.qkv(h).split(w.qkv.outs, dim=-1)  # q, k and v in one matmul
             q, k, v = q.view(t, heads, dim), k.view(t, kv_heads, dim), v.view(t, kv_heads, dim)
             if self.qk_norm:  # Qwen3: each head normalised before it is rotated
                 q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
@@ -118,10 +130,10 @@ class LlamaGen(PagedLM):
             t1 = time.perf_counter() if costs else 0.0
             attended = self.kv.attend(i, q, k, v, plan).reshape(t, heads * dim)  # query heads share KV heads
             t2 = time.perf_counter() if costs else 0.0
-            x = x + _times(attended, w.o, w.o_bias)
+            x = x + w.o(attended)
             h = _rms_norm(x, layer.post_attention_layernorm)
-            gate, up = _times(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # gate and up in one matmul
-            x = x + _times(layer.mlp.act_fn(gate) * up, w.down, w.down_bias)  # SwiGLU
+            gate, up = w.gate_up(h).chunk(2, dim=-1)  # gate and up in one matmul
+            x = x + w.down(layer.mlp.act_fn(gate) * up)  # SwiGLU
             if costs:
                 costs.attention_s += t2 - t1
                 costs.matmul_s += t1 - t0 + time.perf_counter() - t2

@@ -33,9 +33,10 @@ import torch
 from .base import Chunk, InputRejected, ModelError, Scored
 from .configs import kv_bytes_per_token
 from .kvcache import CallPlan, PagedKV
+from .linear import side_by_side
 from .sampling import choose, logprobs_of
 
-__all__ = ["Costs", "PagedLM", "TokenizerText", "TransformersOnly", "side_by_side"]
+__all__ = ["Costs", "PagedLM", "TokenizerText", "TransformersOnly"]
 
 
 @dataclass
@@ -74,26 +75,6 @@ class Costs:
         rest = self.total_s - self.attention_s - self.matmul_s
         return {"attention": 1000 * self.attention_s / n, "matmul": 1000 * self.matmul_s / n,
                 "other": 1000 * rest / n, "total": 1000 * self.total_s / n}
-
-
-def side_by_side(*linears: Any) -> torch.Tensor:
-    """These ``nn.Linear`` weights (one input) side by side and transposed once: one ``[in, sum of outs]``
-    contiguous tensor, of which each module's weight becomes a view. ``x @ packed`` computes all of them in
-    one matmul, and each module still computes its own part (``F.linear(x, W)`` multiplies by ``W.T``: a
-    block of ``packed``). Nothing is held twice.
-
-    Why: a decode step multiplies one row per sequence by every weight, so it is a matrix-vector
-    product bound by how fast the weights are read. On a CPU, torch reads ``[in, out]`` weights
-    faster than the ``[out, in]`` transformers stores (``benchmarks/roofline.py`` measures both), and
-    one matmul for several projections is one op instead of several."""
-    with torch.no_grad():
-        packed = torch.cat([m.weight.detach() for m in linears], 0).t().contiguous()
-        start = 0
-        for m in linears:
-            n = m.weight.shape[0]
-            m.weight.data = packed[:, start:start + n].t()
-            start += n
-    return packed
 
 
 def _is_wordpiece(tokenizer: Any) -> bool:

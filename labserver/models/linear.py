@@ -1,0 +1,102 @@
+"""How a generator's projections multiply: float weights laid out for a decode step, or a GGUF's own 4-bit blocks.
+
+A decode step multiplies one row per sequence by every weight of the model: matrix-vector
+products, bound by how fast the weights are read. Two ways to read fewer bytes, or read them
+faster, each a projection object called as ``proj(x)``:
+
+- ``Dense``: the float weights, ``[in, out]`` and contiguous (``side_by_side``). On a CPU,
+  torch reads that layout faster than the ``[out, in]`` transformers stores, and several
+  projections of one input (q, k, v; gate, up) become one matmul. Exact: the same numbers,
+  only their order in memory changes.
+- ``Int4``: a GGUF's Q4_1 blocks as they are (32 weights share a scale ``d`` and a minimum
+  ``m``; weight = d * q + m, q in 0..15), in torch's int4 CPU kernel: an eighth of float32's
+  bytes. The kernel multiplies in bfloat16 (the activations and each block's scale and
+  minimum rounded to 8 bits of mantissa), so the answers may change: ``smollm2-q4`` says how
+  many (``benchmarks/onestream.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Dense", "GROUP", "Int4", "biases", "q4_1_blocks", "side_by_side"]
+
+GROUP = 32  # weights per Q4_1 block (one scale and one minimum each)
+
+
+def side_by_side(*linears: Any) -> torch.Tensor:
+    """These ``nn.Linear`` weights (one input) side by side and transposed once: one ``[in, sum of outs]``
+    contiguous tensor, of which each module's weight becomes a view. ``x @ packed`` computes all of them in
+    one matmul, and each module still computes its own part (``F.linear(x, W)`` multiplies by ``W.T``: a
+    block of ``packed``). Nothing is held twice."""
+    with torch.no_grad():
+        packed = torch.cat([m.weight.detach() for m in linears], 0).t().contiguous()
+        start = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight.data = packed[:, start:start + n].t()
+            start += n
+    return packed
+
+
+def biases(*linears: Any) -> torch.Tensor | None:
+    """Their biases end to end (zeros for one without), or None when none has one."""
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat([torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device) if m.bias is None
+                      else m.bias.detach() for m in linears])
+
+
+class Dense:
+    """``x @ weight (+ bias)``, the weight ``[in, out]`` contiguous: several ``nn.Linear`` of one input as one."""
+
+    def __init__(self, *linears: Any) -> None:
+        self.weight, self.bias = side_by_side(*linears), biases(*linears)
+        self.outs = [m.weight.shape[0] for m in linears]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
+
+
+def q4_1_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_1 tensor's bytes ``[rows, blocks x 20]`` -> (q ``[rows, cols]`` in 0..15, d and m ``[rows, blocks]``).
+
+    A block is d (float16), m (float16) and 16 bytes: byte j holds weight j in its low
+    nibble and weight j + 16 in its high one (llama.cpp's ``block_q4_1``)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 4 + GROUP // 2)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    nibbles = blocks[..., 4:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
+    return q, d, m
+
+
+def dequantized(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> torch.Tensor:
+    """Q4_1 blocks as float32 ``[rows, cols]``: d * q + m, as llama.cpp and transformers compute them."""
+    rows = q.shape[0]
+    qf = torch.from_numpy(q.astype(np.float32)).view(rows, -1, GROUP)
+    return (qf * torch.from_numpy(d.astype(np.float32))[..., None]
+            + torch.from_numpy(m.astype(np.float32))[..., None]).view(rows, -1)
+
+
+class Int4:
+    """``x @ W.T (+ bias)`` with W in Q4_1 blocks, several of one input side by side (rows of ``[out, in]``):
+    torch's int4 CPU kernel, computing in bfloat16 (weight = (q - 8) * d + (m + 8 d))."""
+
+    def __init__(self, parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]], bias: torch.Tensor | None) -> None:
+        q = torch.from_numpy(np.concatenate([p[0] for p in parts]).astype(np.int32))
+        d = torch.from_numpy(np.concatenate([p[1] for p in parts]).astype(np.float32))
+        m = torch.from_numpy(np.concatenate([p[2] for p in parts]).astype(np.float32))
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+        self.scales_zeros = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).contiguous().to(torch.bfloat16)
+        self.bias = bias
+        self.outs = [p[0].shape[0] for p in parts]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
+                                                         self.scales_zeros).to(x.dtype)
+        return out if self.bias is None else out + self.bias
