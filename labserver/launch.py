@@ -24,7 +24,7 @@ from typing import Any
 import uvicorn
 
 from .config import DEFAULT_STRATEGY, ServerConfig, default_model
-from .models import GenModel, Model, ModelLoadError
+from .models import GenModel, Model, ModelLoadError, release_openmp_threads
 from .server import Runtime, create_app, stats_dict
 
 logger = logging.getLogger(__name__)
@@ -223,6 +223,7 @@ def serve(
     replica, say). The handle's ``stop()`` (or the end of a ``with`` block) removes it.
     """
     config, obj = _prepare(strategy, model, host, port, options)
+    release_openmp_threads()  # this thread's OpenMP workers would slow the model thread's (models.base)
     if replicas is not None:
         return _serve_replicas(config, obj, replicas, router, ray_address, attach, timeout_s, replica_models)
     sock = bind_socket(config.host, config.port)

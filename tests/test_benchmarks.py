@@ -216,3 +216,13 @@ def test_roofline_smoke_measures_the_machine_the_floors_and_one_step(tmp_path: P
     prof = numbers["profile_one"]
     assert prof["output head (logits)"] > 0 and prof["matmuls"] > 0  # the head is told apart from the layers
     assert run.stdout.count("| 1 |") == 1 and "by slice" in run.stdout
+
+
+def test_onestream_smoke_measures_streams_exactness_and_the_floor(tmp_path: Path) -> None:
+    run, numbers = smoke("onestream.py", tmp_path / "onestream.json", "--streams", "1", "--changed-questions", "2")
+    targets = [r["target"] for r in numbers["rows"]]
+    assert targets[0].startswith("1 stream: labserver gpt2-tiny-random / llama-server")
+    assert any(t.startswith("exact: ") for t in targets) and any(t.startswith("roofline: ") for t in targets)
+    assert numbers["exact"]["checks"][0]["greedy_tokens_equal"] == numbers["exact"]["checks"][0]["tokens"]
+    (r,) = numbers["streams"]["1"]
+    assert r["gpt2-tiny-random"]["tps"] > 0 and ("llama-server" in r) == ("error" not in numbers["peer"])

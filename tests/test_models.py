@@ -139,3 +139,17 @@ def test_keep_freed_memory_stops_the_page_faults_of_varying_tensors(user_env: bo
     else:
         assert kept == "True"
         assert int(after) < int(default) / 5, (default, after)
+
+
+def test_a_thread_can_give_back_its_openmp_workers() -> None:
+    """labserver.serve frees the caller's OpenMP team (a second team on the cores slows the model thread's)."""
+    import sys
+
+    import torch
+
+    from labserver.models import release_openmp_threads
+
+    torch.randn(256, 256) @ torch.randn(256, 256)  # this thread's team, made
+    if sys.platform.startswith("linux") and torch.get_num_threads() > 1:
+        assert release_openmp_threads() is True
+    (torch.randn(256, 256) @ torch.randn(256, 256)).sum()  # and torch works on after it (a new team)

@@ -252,3 +252,42 @@ def test_the_readme_chat_example_prints_what_the_readme_shows() -> None:
     with contextlib.redirect_stdout(out):
         exec(compile(code, "README.md", "exec"), {})
     assert out.getvalue() == shown
+
+
+# -- its layouts: the float weights rearranged, the GGUF's own 4-bit blocks ----------------------------------
+
+def test_the_float_layout_holds_every_weight_once_and_transformers_still_computes(model: Any, hf: Any) -> None:
+    """Each projection's weight is a view of one [in, out] tensor per group (q/k/v, gate/up): no second copy."""
+    layer, packed = hf.model.layers[0], model._packed[0]
+    base = packed.qkv.weight.untyped_storage().data_ptr()
+    for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+        assert proj.weight.untyped_storage().data_ptr() == base
+    assert packed.qkv.weight.shape == (576, 576 + 192 + 192) and packed.gate_up.weight.is_contiguous()
+    head = hf.get_output_embeddings().weight
+    assert head.untyped_storage().data_ptr() == hf.get_input_embeddings().weight.untyped_storage().data_ptr()
+    assert head.t().is_contiguous()  # read as [width, vocab] by the logits
+    x = torch.randn(2, 576)
+    with torch.inference_mode():
+        assert torch.allclose(layer.self_attn.k_proj(x), packed.qkv(x)[:, 576:768], atol=1e-5)
+
+
+def test_smollm2_q4_runs_the_gguf_blocks_and_says_it_may_differ(model: Any) -> None:
+    import numpy as np
+
+    from labserver.models.base import generate_alone
+    from labserver.models.linear import Int4, dequantized, q4_1_blocks
+
+    q4 = load_model("smollm2-q4", device="cpu")  # (every block checked against the float weights as it loads)
+    assert q4.name == "smollm2-q4" and "may differ" in q4.note and model.note is None
+    assert all(isinstance(getattr(p, part), Int4) for p in q4._packed for part in ("qkv", "o", "gate_up", "down"))
+    # one Q4_1 block by hand: d = 0.5, m = -1, nibbles 0..15 then 15..0 -> weight j = 0.5 q_j - 1
+    block = np.zeros((1, 20), dtype=np.uint8)
+    block[0, 0:2] = np.frombuffer(np.float16(0.5).tobytes(), dtype=np.uint8)
+    block[0, 2:4] = np.frombuffer(np.float16(-1).tobytes(), dtype=np.uint8)
+    block[0, 4:] = [j | (15 - j) << 4 for j in range(16)]
+    q, d, m = q4_1_blocks(block)
+    assert q.tolist() == [[*range(16), *range(15, -1, -1)]]
+    assert dequantized(q, d, m).tolist() == [[0.5 * v - 1 for v in q[0]]]
+    ids = model.encode(chat_text(model, "What is the capital of France?"))
+    answer = q4.text(generate_alone(q4, ids, 8))
+    assert "Paris" in answer, answer
