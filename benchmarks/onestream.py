@@ -53,6 +53,9 @@ FULL = dict(models="smollm2,smollm2-q4", rounds=2, warmup=5.0, duration=20.0, st
             prompt_tokens=32, quiet_wait=120.0, max_rest=0.6, exact_questions=16, changed_questions=64)
 SMOKE = dict(models="gpt2-tiny-random", rounds=1, warmup=0.5, duration=2.0, streams="1,4", answer_tokens=16,
              prompt_tokens=16, quiet_wait=0.0, max_rest=float("inf"), exact_questions=1, changed_questions=4)
+MEANING = ("labserver's smollm2 runs float32 PyTorch (the GGUF dequantized once, exact against transformers); "
+           "smollm2-q4 the GGUF's Q4_1 blocks in torch's int4 kernel, in bfloat16 (lossy); llama-server the same "
+           "blocks with llama.cpp's C++ kernels.")
 GOALS = {"1": 0.5, "32": 1.5}  # labserver's default model / llama-server, output tokens/s
 
 
@@ -252,7 +255,7 @@ def main() -> int:
     numbers["load_average_at_end"] = os.getloadavg()
     footer = (f"({numbers['seconds'] / 60:.1f} min from {numbers['started_utc']}; load average "
               f"{numbers['load_average_at_start'][0]:.2f} at the start, {numbers['load_average_at_end'][0]:.2f} at "
-              f"the end, on {os.cpu_count()} cores)\n{realmodel.MEANING}")
+              f"the end, on {os.cpu_count()} cores)\n{MEANING}")
     write_results(args.out, numbers, rows, footer, width=max(len(r["target"]) for r in rows) + 2)
     return exit_status(args, numbers, rows, smoke_checks)
 
