@@ -20,7 +20,7 @@ import labserver
 from labserver import wire
 from labserver.models import SyntheticGen
 from labserver.server.handling import ClientError
-from labserver.server.openai.params import parse_request, render_chat
+from labserver.server.openai.params import MIN_TEMPERATURE, parse_request, render_chat
 from labserver.engine.output import Detokenizer
 from labserver.server.openai.text import TextStream
 
@@ -130,13 +130,17 @@ def test_ignored_fields_are_accepted_named_and_logged(gen: labserver.ServerHandl
     body = {"prompt": "x", "max_tokens": 2, "user": "u", "repetition_penalty": 1.1, "top_k": -1,
             "presence_penalty": 0, "logprobs": None, "a_field_from_the_future": 1,
             "stream_options": {"continuous_usage_stats": True, "include_usage": False}}
-    with caplog.at_level(logging.WARNING, logger="labserver.server.openai.params"):
+    with caplog.at_level(logging.DEBUG, logger="labserver.server.openai.params"):
         r = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json=body)
         again = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json=body)
     assert r.status_code == again.status_code == 200
     assert r.headers[wire.HEADER_IGNORED_FIELDS] == ("a_field_from_the_future, presence_penalty, repetition_penalty, "
                                                      "top_k, user, stream_options.continuous_usage_stats")
-    assert caplog.text.count("a_field_from_the_future") == 1  # in the log once, in every answer's header
+    # logged with each request, at debug level: the server keeps no set of the names clients sent
+    assert caplog.text.count("a_field_from_the_future") == 2 and "WARNING" not in caplog.text
+    many = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "x", "max_tokens": 1,
+                                                                **{f"k{i}": 0 for i in range(300)}})
+    assert many.status_code == 200 and many.headers[wire.HEADER_IGNORED_FIELDS].endswith("(+268 more)")
     plain = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "x", "max_tokens": 2})
     assert wire.HEADER_IGNORED_FIELDS not in plain.headers
 
@@ -177,6 +181,38 @@ def test_values_that_cannot_be_honoured_are_400(gen: labserver.ServerHandle, pat
     err = assert_openai_error(httpx.post(gen.url + path, json=body), 400, "bad_request", param)
     assert fragment in err["message"] and err["type"] == "invalid_request_error"
     assert httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "still here"}).status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", ["\u0100", "new\nline", "k" * 257, "tab\there"])
+def test_a_field_name_no_client_sends_is_400_before_anything_is_queued(gen: labserver.ServerHandle, name: str,
+                                                                        stream: bool) -> None:
+    """Such a name once reached the x-ignored-fields header after the sequences were queued: a 500 (or a dropped
+    connection) and a sequence generating for nobody."""
+    err = assert_openai_error(httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, timeout=30,
+                                         json={"prompt": "x", "max_tokens": 4, "stream": stream, name: 1}),
+                              400, "bad_request")
+    assert "field name" in err["message"] and "printable ASCII" in err["message"]
+    assert httpx.get(gen.url + "/stats").json()["running"] == 0
+
+
+def test_temperatures_near_zero_priorities_and_stop_lengths(gen: labserver.ServerHandle) -> None:
+    tiny = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "x", "max_tokens": 3, "temperature": 1e-300})
+    assert tiny.status_code == 200, tiny.text  # raised to 0.01, as vLLM does (dividing by it made NaN: a 500)
+    req = parse_request(b'{"prompt": "x", "temperature": 1e-300}', chat=False, max_chars=100, max_tokens_cap=50,
+                        max_prompts=4)
+    assert req.sampling is not None and req.sampling.temperature == MIN_TEMPERATURE == 0.01
+    for priority in (1001, -1001, -999999999999):
+        assert_openai_error(httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "x",
+                                                                                "priority": priority}),
+                            400, "bad_request", "priority")
+    header = httpx.post(gen.url + wire.GENERATE_PATH, json={"prompt": "x", "max_new_tokens": 1},
+                        headers={wire.HEADER_PRIORITY: "-5000"})
+    assert header.status_code == 400 and "between -1000 and 1000" in header.json()["error"]["message"]
+    assert httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "x", "max_tokens": 1,
+                                                                "priority": -1000}).status_code == 200
+    assert_openai_error(httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "x", "stop": "s" * 513}),
+                        400, "bad_request", "stop")
 
 
 def test_malformed_bodies_and_limits(gen: labserver.ServerHandle) -> None:

@@ -167,6 +167,7 @@ class FastJSON(Response):
 # -- who is asking: a priority class and a tenant --------------------------------------------
 
 MAX_TENANT_CHARS = 64
+MAX_PRIORITY = 1000  # a class is an integer in [-MAX_PRIORITY, MAX_PRIORITY]: no client outranks every other by far
 
 
 def request_class(request: Request, priority: Any = None) -> tuple[int, str]:
@@ -183,6 +184,9 @@ def request_class(request: Request, priority: Any = None) -> tuple[int, str]:
                                                  f"first), got {raw[:20]!r}") from None
     elif isinstance(priority, bool) or not isinstance(priority, int):
         raise ClientError("bad_request", f'"priority" must be an integer, got {type(priority).__name__}', "priority")
+    if priority is not None and not -MAX_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ClientError("bad_request", f"priority must be between {-MAX_PRIORITY} and {MAX_PRIORITY} (lower is "
+                                         f"served first), got {priority}", "priority")
     tenant = request.headers.get(wire.HEADER_TENANT, "")
     if len(tenant) > MAX_TENANT_CHARS or not tenant.isprintable():
         raise ClientError("bad_request", f"{wire.HEADER_TENANT} must be printable, at most {MAX_TENANT_CHARS} "

@@ -28,6 +28,7 @@ from ..handling import ClientError, FastJSON, answer, parse_json
 from ..runtime import Runtime
 from .catalog import check_model, served_name
 from .errors import openai_failure
+from .params import check_field_names, ignored_header
 
 __all__ = ["post_embeddings"]
 
@@ -67,6 +68,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float)
     doc = parse_json(body, '{"model": "...", "input": "some text"}')
     if not isinstance(doc, dict):
         raise ClientError("bad_request", 'expected a JSON object with "input": a string or a list of strings')
+    check_field_names(doc)
     name = doc.get("model")
     if name is not None and not isinstance(name, str):
         raise ClientError("bad_request", '"model" must be a string', "model")
@@ -93,7 +95,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float)
     headers = server_headers(items, rid, t0, now)
     ignored = sorted(set(doc) - _USED)
     if ignored:
-        headers[wire.HEADER_IGNORED_FIELDS] = ", ".join(ignored)
+        headers[wire.HEADER_IGNORED_FIELDS] = ignored_header(ignored)
     return FastJSON({"object": "list", "data": data, "model": served_name(rt),
                      "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}, headers=headers)
 

@@ -41,7 +41,7 @@ from ..streaming import generation_engine, wait_all, wait_first_token, write_str
 from .catalog import check_model, served_name
 from .errors import openai_error_body, openai_failure
 from .logprobs import chat_logprobs, completion_logprobs, prompt_entries
-from .params import COMPLETION_DEFAULT_MAX_TOKENS, GenRequest, parse_request
+from .params import COMPLETION_DEFAULT_MAX_TOKENS, GenRequest, ignored_header, parse_request
 from .text import TextStream
 
 __all__ = ["post_chat", "post_completions"]
@@ -222,7 +222,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
     headers = {wire.HEADER_REQUEST_ID: rid,
                wire.HEADER_QUEUE_MS: f"{(seqs[0].admitted_s - seqs[0].enqueued_s) * 1000:.3f}"}
     if req.ignored:
-        headers[wire.HEADER_IGNORED_FIELDS] = ", ".join(req.ignored)
+        headers[wire.HEADER_IGNORED_FIELDS] = ignored_header(req.ignored)
     if seqs[0].replica:
         headers[wire.HEADER_REPLICA] = ",".join(dict.fromkeys(s.replica for s in seqs))  # (n > 1: each its own)
     if req.stream:

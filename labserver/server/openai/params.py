@@ -16,7 +16,13 @@ server may not use, and break on a server that rejects them):
   ``response_format``, token-id prompts, images);
 - ignored: everything else (``user``, ``frequency_penalty``, ``presence_penalty``,
   ``repetition_penalty``, ``top_k`` ...): accepted, and named in the answer's
-  ``x-ignored-fields`` header and once in the log.
+  ``x-ignored-fields`` header and in the log (at debug level: nothing a client names is
+  kept). A field name that is not printable ASCII, or is over ``MAX_FIELD_CHARS``, is a
+  400 naming it, before anything is kept or echoed.
+
+A ``temperature`` above 0 and below ``MIN_TEMPERATURE`` is raised to it (vLLM's clamp:
+dividing the scores by 1e-300 makes infinities); ``stop`` strings are at most
+``MAX_STOP_CHARS`` long.
 
 ``temperature`` left out means greedy here (OpenAI's own default is 1; transformers'
 generation config for these models does not sample). Messages become one prompt
@@ -39,11 +45,15 @@ from ..handling import ClientError, check_text, parse_json
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHAT_TEMPLATE", "COMPLETION_DEFAULT_MAX_TOKENS", "GenRequest", "parse_request", "render_chat"]
+__all__ = ["CHAT_TEMPLATE", "COMPLETION_DEFAULT_MAX_TOKENS", "MAX_FIELD_CHARS", "MAX_STOP_CHARS", "MIN_TEMPERATURE",
+           "GenRequest", "check_field_names", "ignored_header", "parse_request", "render_chat"]
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_TEMPLATE = "{role}: {content}\n"  # per message; the prompt then ends with "assistant:"
 MAX_STOPS = 16
+MAX_STOP_CHARS = 512  # characters per stop string
+MAX_FIELD_CHARS = 256  # characters per field name
+MIN_TEMPERATURE = 0.01  # a smaller positive temperature is raised to this (vLLM's clamp)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for /v1/completions' "logprobs" (chat's "top_logprobs": MAX_LOGPROBS)
 
 _COMMON = {"model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "n",
@@ -52,7 +62,6 @@ _USED = {False: _COMMON | {"prompt", "echo", "suffix"},
          True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                           "function_call"}}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-_warned: set[str] = set()  # ignored field names already logged, once each per process
 
 
 @dataclass
@@ -101,6 +110,7 @@ def parse_request(body: bytes, *, chat: bool, max_chars: int, max_tokens_cap: in
     doc = parse_json(body, example)
     if not isinstance(doc, dict):
         raise _refuse(f"expected a JSON object, e.g. {example}", None)
+    check_field_names(doc)
     _refuse_unhonourable(doc, chat)
     req = GenRequest(chat=chat, prompts=[])
     req.model = _typed(doc, "model", str, "a string")
@@ -138,12 +148,26 @@ def parse_request(body: bytes, *, chat: bool, max_chars: int, max_tokens_cap: in
         raise _refuse(f'"min_tokens" must be between 0 and {name} ({limit}), got {req.min_tokens}', "min_tokens")
     req.ignored = sorted(set(doc) - _USED[chat]) + req.ignored
     if req.ignored:
-        new = [f for f in req.ignored if f not in _warned]
-        if new:
-            _warned.update(new)
-            logger.warning("accepted and ignored request field(s) %s (named in %s from now on)", new,
-                           "the x-ignored-fields header")
+        logger.debug("accepted and ignored request field(s) %s (named in the x-ignored-fields header)", req.ignored)
     return req
+
+
+def check_field_names(doc: dict[str, Any]) -> None:
+    """A 400 for a field name no client of this API sends: not printable ASCII (a header cannot echo it), or long."""
+    names = list(doc)
+    if isinstance(doc.get("stream_options"), dict):
+        names += [f"stream_options.{k}" for k in doc["stream_options"]]
+    for name in names:
+        if len(name) > MAX_FIELD_CHARS or not (name.isascii() and name.isprintable()):
+            shown = name[:40].encode("unicode_escape").decode("ascii")
+            raise _refuse(f"field name {shown!r}{'...' if len(name) > 40 else ''}: field names are printable ASCII "
+                          f"of at most {MAX_FIELD_CHARS} characters", None)
+
+
+def ignored_header(names: list[str], most: int = 32) -> str:
+    """``x-ignored-fields``: the first ``most`` names, and how many more (a header stays short)."""
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown} (+{len(names) - most} more)"
 
 
 def _refuse_unhonourable(doc: dict[str, Any], chat: bool) -> None:
@@ -249,7 +273,8 @@ def _sampling(doc: dict[str, Any], logprobs: int | None, echo: bool) -> Sampling
     scores = {"logprobs": logprobs, "prompt_logprobs": logprobs if echo else None}
     if not temperature:  # greedy: top_p and seed change nothing
         return None if logprobs is None else Sampling(**scores)
-    return Sampling(temperature=float(temperature), top_p=float(1.0 if top_p is None else top_p), seed=seed, **scores)
+    return Sampling(temperature=max(float(temperature), MIN_TEMPERATURE), top_p=float(1.0 if top_p is None else top_p),
+                    seed=seed, **scores)
 
 
 def _stops(stop: Any) -> tuple[str, ...]:
@@ -260,4 +285,6 @@ def _stops(stop: Any) -> tuple[str, ...]:
         raise _refuse('"stop" must be a non-empty string or a list of them', "stop")
     if len(stops) > MAX_STOPS:
         raise _refuse(f'"stop" has {len(stops)} strings, over the limit of {MAX_STOPS}', "stop")
+    if max(len(s) for s in stops) > MAX_STOP_CHARS:
+        raise _refuse(f'"stop" strings are at most {MAX_STOP_CHARS} characters', "stop")
     return tuple(stops)
