@@ -36,6 +36,7 @@ class ServerConfig:
     port: int = 8000  # 0 picks a free port
     max_body_bytes: int = 1 << 20  # request body limit, bytes (413 above)
     max_inputs: int = 256  # texts per /predict request (400 above)
+    max_prompts: int = 16  # /v1 generation: prompts x n sequences per request (400 above; TGI's max-client-batch-size)
     max_chars: int = 100_000  # characters per text (400 above); the model truncates tokens itself
     max_new_tokens: int = 512  # /generate: the most tokens one request may ask for (400 above)
     debug: bool = False  # tracebacks in error responses: never on a shared server
@@ -45,7 +46,7 @@ class ServerConfig:
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_inputs", "max_chars", "max_new_tokens"):
+        for name in ("max_body_bytes", "max_inputs", "max_prompts", "max_chars", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:

@@ -33,7 +33,7 @@ NAME = "synthetic-gen:1+0.5"
 @pytest.fixture(scope="module")
 def gen() -> Iterator[labserver.ServerHandle]:
     with labserver.serve("gen-continuous", SyntheticGen(1, 0.5, max_context=64), max_batch_size=8,
-                         max_body_bytes=4096, max_new_tokens=40, max_inputs=4) as h:
+                         max_body_bytes=4096, max_new_tokens=40, max_prompts=4) as h:
         yield h
 
 
@@ -194,6 +194,20 @@ def test_a_field_name_no_client_sends_is_400_before_anything_is_queued(gen: labs
                               400, "bad_request")
     assert "field name" in err["message"] and "printable ASCII" in err["message"]
     assert httpx.get(gen.url + "/stats").json()["running"] == 0
+
+
+def test_prompts_times_n_are_bounded_by_max_prompts() -> None:
+    """256 prompts of one request were 256 sequences; TGI's max-client-batch-size is the same guard."""
+    from labserver.config import ServerConfig
+
+    assert ServerConfig().max_prompts == 16
+    with labserver.serve("gen-continuous", SyntheticGen(0, 0, max_context=64)) as h:  # the default bound
+        ok = httpx.post(h.url + wire.V1_COMPLETIONS_PATH, json={"prompt": ["x"] * 4, "n": 4, "max_tokens": 1})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 16
+        assert_openai_error(httpx.post(h.url + wire.V1_COMPLETIONS_PATH, json={"prompt": ["x"] * 17, "max_tokens": 1}),
+                            400, "bad_request", "prompt")
+        assert_openai_error(httpx.post(h.url + wire.V1_CHAT_PATH, json={
+            "messages": [{"role": "user", "content": "x"}], "n": 17, "max_tokens": 1}), 400, "bad_request", "n")
 
 
 def test_temperatures_near_zero_priorities_and_stop_lengths(gen: labserver.ServerHandle) -> None:

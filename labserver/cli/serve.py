@@ -29,6 +29,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=_CONFIG.port, help="(default: %(default)s; 0 = any free)")
     p.add_argument("--max-body-bytes", type=int, default=_CONFIG.max_body_bytes)
     p.add_argument("--max-inputs", type=int, default=_CONFIG.max_inputs)
+    p.add_argument("--max-prompts", type=int, default=_CONFIG.max_prompts,
+                   help="/v1 generation: prompts x n sequences one request may ask for (default: %(default)s)")
     p.add_argument("--max-chars", type=int, default=_CONFIG.max_chars)
     p.add_argument("--max-new-tokens", type=int, default=_CONFIG.max_new_tokens,
                    help="/generate: the most tokens one request may ask for (default: %(default)s)")
@@ -50,8 +52,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         strategy=args.strategy, model=args.model or default_model(args.strategy), device=args.device,
         dtype=args.dtype, task=args.task,
         limits=limits_from(args), host=args.host, port=args.port, debug=args.debug,
-        max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_chars=args.max_chars,
-        max_new_tokens=args.max_new_tokens, log_level=args.log_level,
+        max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_prompts=args.max_prompts,
+        max_chars=args.max_chars, max_new_tokens=args.max_new_tokens, log_level=args.log_level,
     )
     if args.replicas is not None:
         return serve_replicas_until_stopped(config, args)

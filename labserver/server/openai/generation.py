@@ -194,7 +194,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
     model: GenModel = rt.model  # type: ignore[assignment]
     cfg = rt.config
     req = parse_request(body, chat=api.chat, max_chars=cfg.max_chars, max_tokens_cap=cfg.max_new_tokens,
-                        max_prompts=cfg.max_inputs, template=chat_template(model) if api.chat else None)
+                        max_prompts=cfg.max_prompts, template=chat_template(model) if api.chat else None)
     check_model(rt, req.model)
     prompts = [model.encode(p) for p in req.prompts]  # InputRejected: 400
     priority, tenant = request_class(request, req.priority)
