@@ -197,6 +197,41 @@ def test_fair_gives_no_credit_for_time_away() -> None:
     assert rule.arrange([Req("a3", tenant="a"), Req("b1", tenant="b")], [], 0.0)[0].name == "b1"
 
 
+def test_fair_forgets_idle_tenants_and_keeps_the_same_order() -> None:
+    """100,000 one-request tenants (a client choosing a new x-tenant each time) leave the counters as few as the
+    tenants that still matter; and forgetting changes no order while some tenant stays active (the floor only
+    rises then): a tenant back from idle starts at the floor either way."""
+    import random
+
+    class Remembers(Fair):
+        def _forget(self, active: set[str], floor: float) -> None:
+            pass
+
+    rule = Fair(Limits())
+    for k in range(100_000):  # each step serves both (a batch): heavy's counter, the floor, rises
+        for r in rule.arrange([Req(f"r{k}", tenant=f"t{k}"), Req("heavy", tenant="heavy")], [], 0.0):
+            rule.served(r, 16, 1)
+    assert len(rule.counter) < 100
+    class Capped(Fair):
+        max_idle_tenants = 500
+
+    starved = Capped(Limits())  # here heavy is never served: the floor stays, the newcomers' counters stay above it
+    for k in range(3000):
+        starved.served(starved.arrange([Req(f"r{k}", tenant=f"t{k}"), Req("heavy", tenant="heavy")], [], 0.0)[0],
+                       16, 1)
+    assert len(starved.counter) <= 2 * Capped.max_idle_tenants + 66
+    forgets, remembers, draw = Fair(Limits()), Remembers(Limits()), random.Random(0)
+    for k in range(3000):  # tenants that come and go, some for good, some back after a while; one always waits
+        waiting = [Req(f"r{k}-{j}", tenant=f"t{draw.randrange(200) if draw.random() < 0.5 else k}")
+                   for j in range(draw.randrange(1, 4))] + [Req(f"h{k}", tenant="heavy")]
+        a, b = forgets.arrange(list(waiting), [], 0.0), remembers.arrange(list(waiting), [], 0.0)
+        assert [r.name for r in a] == [r.name for r in b]
+        tokens = draw.randrange(1, 32)
+        forgets.served(a[0], tokens, 1)
+        remembers.served(b[0], tokens, 1)
+    assert len(forgets.counter) < len(remembers.counter)
+
+
 def test_priority_displaces_the_lowest_class_newest_first() -> None:
     rule = Priority(Limits())
     running = [Req("old2", priority=2), Req("one", priority=1), Req("new2", priority=2)]

@@ -96,11 +96,13 @@ class Fair(SchedulingPolicy):
     name = "fair"
     prefill_weight: ClassVar[float] = 1.0
     decode_weight: ClassVar[float] = 2.0
+    max_idle_tenants: ClassVar[int] = 10_000  # idle tenants' counters kept above the floor, at most
 
     def __init__(self, limits: Any) -> None:
         super().__init__(limits)
         self.counter: defaultdict[str, float] = defaultdict(float)
         self.active: set[str] = set()
+        self._sweep_at = 64  # idle counters beyond which the next step boundary forgets what it can
 
     def arrange(self, waiting: list[Any], running: Iterable[Any], now: float) -> list[Any]:
         active = {tenant_of(s) for s in running} | {tenant_of(s) for s in waiting}
@@ -109,7 +111,24 @@ class Fair(SchedulingPolicy):
             if floor is not None:
                 self.counter[tenant] = max(self.counter[tenant], floor)
         self.active = active
+        if floor is not None and len(self.counter) > self._sweep_at + len(active):  # (amortized: a sweep reads all)
+            self._forget(active, floor)
+            self._sweep_at = 2 * (len(self.counter) - len(active)) + 64
         return sorted(waiting, key=lambda s: (priority_of(s), self.counter[tenant_of(s)]))
+
+    def _forget(self, active: set[str], floor: float) -> None:
+        """Drop the idle tenants whose counter is at or below the floor: back, each would start at the floor
+        anyway, so forgetting them changes no order (every client-chosen ``x-tenant`` would otherwise be kept
+        forever). Past ``max_idle_tenants`` idle ones above the floor, the longest known go too: one of those,
+        back, starts at the floor, a bounded credit for a tenant nobody has heard from in that long. (After a
+        step boundary where no tenant stayed active there is no floor: a forgotten tenant then starts at 0, as a
+        new one does, where a remembered one would keep its counter.)"""
+        for tenant in [t for t, c in self.counter.items() if c <= floor and t not in active]:
+            del self.counter[tenant]
+        excess = len(self.counter) - len(active) - self.max_idle_tenants
+        if excess > 0:
+            for tenant in [t for t in self.counter if t not in active][:excess]:
+                del self.counter[tenant]
 
     def served(self, seq: Any, prompt_tokens: int, decode_tokens: int) -> None:
         self.counter[tenant_of(seq)] += self.prefill_weight * prompt_tokens + self.decode_weight * decode_tokens
