@@ -36,3 +36,20 @@ def test_logprobs_cross_from_a_replica_to_the_ingress_in_order() -> None:
     assert seen.tokens == made.tokens and seen.logprobs == made.logprobs and len(seen.logprobs) == 5
     assert seen.prompt_logprobs == made.prompt_logprobs and len(seen.prompt_logprobs) == len(made.prompt_ids) - 1
     assert all(isinstance(e, Logprob) and len(e.top) == 2 for e in seen.logprobs)
+
+
+def test_the_board_forgets_a_replica_that_stopped_reporting() -> None:
+    """Each replica that ever reported was kept forever (a dead or replaced one never reports again)."""
+    from labserver.replicas.deploy import Reports
+
+    now = [1000.0]
+    board = Reports(clock=lambda: now[0])
+    board.put("a", {"running": 1}, [])
+    board.put("b", {"running": 2}, [])
+    now[0] += 10
+    board.put("a", {"running": 0}, [])
+    assert list(board.all()) == ["a"] and set(board.reports) == {"a", "b"}  # b: not shown, not yet forgotten
+    for replica in range(100):  # replaced, one after another, long after b went quiet
+        now[0] += Reports.FORGET_S
+        board.put(f"r{replica}", {}, [])
+    assert set(board.reports) == {"r98", "r99"}

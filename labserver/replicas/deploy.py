@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -35,26 +36,35 @@ from ..server.streaming import write_stream
 from ..server.runtime import Runtime
 from .remote import RemoteEngine
 
-__all__ = ["Board", "Ingress", "ReplicaServer"]
+__all__ = ["Board", "Ingress", "ReplicaServer", "Reports"]
 
 logger = logging.getLogger(__name__)
 REPORT_S = 0.5  # how often a replica sends the board its stats
 
 
-@ray.remote(num_cpus=0)
-class Board:
-    """The replicas' latest stats, by replica id (a replica that stops reporting ages out)."""
+class Reports:
+    """The replicas' latest stats, by replica id: one not heard from in ``max_age_s`` is left out of ``all``, and
+    one not heard from in ``FORGET_S`` is forgotten (a replica that died, or was replaced, never reports again)."""
 
-    def __init__(self) -> None:
+    FORGET_S = 60.0
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
         self.reports: dict[str, tuple[float, dict[str, Any], list[Any]]] = {}
 
     def put(self, replica: str, stats: dict[str, Any], metrics: list[Any]) -> None:
-        self.reports[replica] = (time.time(), stats, metrics)
+        now = self.clock()
+        self.reports[replica] = (now, stats, metrics)
+        for gone in [r for r, (t, _, _) in self.reports.items() if now - t > self.FORGET_S]:
+            del self.reports[gone]
 
     def all(self, max_age_s: float = 5.0) -> dict[str, tuple[dict[str, Any], list[Any]]]:
         """replica -> (its /stats, its metrics()), for those heard from in the last ``max_age_s``."""
-        now = time.time()
+        now = self.clock()
         return {r: (s, m) for r, (t, s, m) in sorted(self.reports.items()) if now - t <= max_age_s}
+
+
+Board = ray.remote(num_cpus=0)(Reports)  # the actor every replica reports to and the ingress reads
 
 
 @serve.deployment
