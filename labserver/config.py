@@ -7,6 +7,7 @@ so the Python call and the command line have the same defaults by construction.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field, fields
 
 from .models import DEFAULT_MODELS
@@ -14,6 +15,7 @@ from .strategies import STRATEGIES, Limits
 
 logger = logging.getLogger(__name__)
 
+API_KEY_ENV = "LABSERVER_API_KEY"  # comma-separated keys, when none is given otherwise
 DEFAULT_STRATEGY = "thread"
 DEFAULT_MODEL = DEFAULT_MODELS["encode"]
 
@@ -44,6 +46,8 @@ class ServerConfig:
     lag_interval_ms: float = 10.0  # event-loop lag probe period, ms
     freeze_gc: bool = True  # gc.freeze() once loaded: no full-collection pauses walking the model (process-wide)
     log_level: str = "warning"
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # any of them as "Authorization: Bearer KEY"; () and
+    #   no LABSERVER_API_KEY: no key asked (server.guard)
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_inputs", "max_prompts", "max_chars", "max_new_tokens"):
@@ -51,6 +55,12 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if isinstance(self.api_keys, str):
+            self.api_keys = (self.api_keys,)
+        if not self.api_keys and os.environ.get(API_KEY_ENV):
+            self.api_keys = tuple(k.strip() for k in os.environ[API_KEY_ENV].split(",") if k.strip())
+        if any(not k or not k.isascii() or not k.isprintable() or " " in k for k in self.api_keys):
+            raise ValueError("an API key must be printable ASCII without spaces")
 
     @classmethod
     def build(cls, **kwargs: object) -> ServerConfig:
@@ -67,8 +77,8 @@ class ServerConfig:
         return cls(**kwargs)  # type: ignore[arg-type]
 
     def warn_if_exposed(self) -> None:
-        if self.host not in ("127.0.0.1", "localhost", "::1"):
+        if self.host not in ("127.0.0.1", "localhost", "::1") and not self.api_keys:
             logger.warning(
-                "binding %s: labserver is a teaching harness with no authentication; "
-                "anyone who can reach this address can use (and load) it", self.host,
+                "binding %s with no API key: anyone who can reach this address can use (and load) it; "
+                "start it with --api-key KEY (or %s) to ask for one (docs/security.md)", self.host, API_KEY_ENV,
             )

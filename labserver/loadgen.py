@@ -53,7 +53,7 @@ import pickle
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -116,6 +116,10 @@ class LoadSpec:
     progress: bool | None = None  # tqdm bar; None: only for runs of 10 s or more
     allow_remote: bool = False  # loopback targets only unless this is True
     mix: MixLike | None = None  # flows sent side by side (a Mix, a list of Flow, or "name:share:key=value,...")
+    api_key: str | None = field(default=None, repr=False)  # sent as "Authorization: Bearer KEY" (--api-key)
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def __post_init__(self) -> None:
         check_target(self.url, self.allow_remote)
@@ -171,7 +175,7 @@ async def run_load(url: str | LoadSpec, **options: Any) -> LoadResult:
     """
     spec = dataclasses.replace(url, **options) if isinstance(url, LoadSpec) else LoadSpec(url, **options)
     if spec.api in OPENAI_APIS and spec.model is None:
-        spec = dataclasses.replace(spec, model=await served_model(spec.url, spec.timeout_s))
+        spec = dataclasses.replace(spec, model=await served_model(spec.url, spec.timeout_s, spec.api_key))
     plans, arrival = _plan(spec)
     if spec.users:
         total, expected_s = spec.max_requests, spec.duration_s or 0.0
@@ -203,14 +207,14 @@ async def run_load(url: str | LoadSpec, **options: Any) -> LoadResult:
     return LoadResult(records, meta, warnings, probes.sort_values("t_s", ignore_index=True), tokens)
 
 
-async def served_model(url: str, timeout_s: float = 10.0) -> str:
+async def served_model(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> str:
     """The id of the first model a server lists at ``GET /v1/models`` (OpenAI's way to ask)."""
     import httpx
 
     where = models_url(url)
     try:
         async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
-            r = await client.get(where)
+            r = await client.get(where, headers={"authorization": f"Bearer {api_key}"} if api_key else None)
         r.raise_for_status()
         return str(r.json()["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
@@ -252,7 +256,8 @@ def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
     per = spec.texts_per_request
     base = dict(url=spec.target_url(), mode=spec.mode, client=spec.client, timeout_s=spec.timeout_s,
                 overflow=spec.overflow, drain_s=spec.drain_s, seed=spec.seed, stream=spec.stream,
-                ignore_eos=spec.ignore_eos, api=spec.api, model=spec.model or "", texts_per_request=per)
+                ignore_eos=spec.ignore_eos, api=spec.api, model=spec.model or "", texts_per_request=per,
+                headers=spec.auth_headers())
     generate = spec.generative
     mix = spec.mix
     plans: list[Plan] = []

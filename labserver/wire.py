@@ -42,6 +42,8 @@ SERVER_HEADERS = (
 # error "type" -> HTTP status it travels with
 ERROR_TYPES: dict[str, int] = {
     "bad_request": 400,
+    "unauthorized": 401,  # no valid API key (--api-key)
+    "forbidden": 403,  # a Host this loopback server does not answer to
     "not_found": 404,
     "method_not_allowed": 405,
     "payload_too_large": 413,

@@ -10,9 +10,10 @@ this one.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
-from ..config import DEFAULT_STRATEGY
+from ..config import API_KEY_ENV, DEFAULT_STRATEGY
 from ..strategies import Limits, strategy_names
 from ..strategies.queueing import DISCIPLINES
 from ..strategies.scheduling import SCHEDULING
@@ -190,6 +191,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ms", type=float, default=None, help="goodput: answers within this count")
     p.add_argument("--allow-remote", action="store_true", help="allow a non-loopback --url (mind whose it is)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="send Authorization: Bearer KEY (default: the first of $LABSERVER_API_KEY, if set)")
     p.add_argument("--out", help="write the result: x.csv (records + x.csv.json with the summary), x.json "
                                  "(summary, meta, warnings), x.parquet, or a folder")
 
@@ -210,7 +213,9 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
         args.mode = "generate" if generate else "json" if args.texts_per_request > 1 else "text"
     opts: dict[str, Any] = dict(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
                                 mode=args.mode, api=args.api, processes=args.processes,
-                                allow_remote=args.allow_remote, texts_per_request=args.texts_per_request)
+                                allow_remote=args.allow_remote, texts_per_request=args.texts_per_request,
+                                api_key=args.api_key or (os.environ.get(API_KEY_ENV) or "").split(",")[0].strip()
+                                or None)
     if args.url and args.api != "labserver":
         opts["model"] = args.model  # the name to send (None: ask the server's /v1/models)
     if args.concurrency:

@@ -152,7 +152,7 @@ class RawClient:
     _protocol: type[_Connection] = _Connection
 
     def __init__(self, url: str, *, method: str = "POST", content_type: str | None = None,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, headers: Mapping[str, str] | None = None):
         scheme, self.host, self.port = check_target(url, allow_remote=True)
         if scheme != "http":
             raise ValueError("the raw client speaks plain http; use client='httpx' for https")
@@ -161,6 +161,7 @@ class RawClient:
         head = f"{method} {target} HTTP/1.1\r\nhost: {parts.netloc}\r\nuser-agent: labserver-loadgen\r\n"
         if content_type:
             head += f"content-type: {content_type}\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())  # (an API key: every request)
         self._head = head.encode("latin-1")
         self.timeout_s = timeout_s
         self._idle: list[_Connection] = []
@@ -276,12 +277,12 @@ class HttpxClient:
     """The same interface over ``httpx.AsyncClient``, configured for load generation."""
 
     def __init__(self, url: str, *, method: str = "POST", content_type: str | None = None,
-                 timeout_s: float = 60.0, max_connections: int = 1000):
+                 timeout_s: float = 60.0, max_connections: int = 1000, headers: Mapping[str, str] | None = None):
         import httpx  # only when chosen: importing it costs ~0.2 s in each spawned process
 
         self._httpx = httpx
         self.url, self.method = url, method
-        self._headers = {"content-type": content_type} if content_type else {}
+        self._headers = {**({"content-type": content_type} if content_type else {}), **(headers or {})}
         self._client = httpx.AsyncClient(
             # the default caps at 100 connections, which would queue requests inside the client
             limits=httpx.Limits(max_connections=max_connections,

@@ -10,7 +10,7 @@ from spawned processes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -71,6 +71,7 @@ class Plan:
     flows: tuple[Flow, ...] = ()  # a mix's flows (open loop: without payloads, their texts are in texts)
     flow: np.ndarray | None = None  # open loop with a mix: each request's flow, an index into flows
     texts_per_request: int = 1  # above 1: each request a JSON list of this many texts (mode "json")
+    headers: dict[str, str] = field(default_factory=dict)  # sent with every request (an API key)
 
     def mean_gap_s(self) -> float:
         s = self.scheduled_s

@@ -88,7 +88,8 @@ class Worker:
         extra: dict[str, Any] = {"max_connections": self.plan.max_in_flight} if self.plan.client == "httpx" else {}
         if kind is StreamClient and self.plan.api != "labserver":
             extra["answer"] = OpenAIAnswer
-        return kind(url, method=method, content_type=content_type, timeout_s=self.plan.timeout_s, **extra)
+        return kind(url, method=method, content_type=content_type, timeout_s=self.plan.timeout_s,
+                    headers=self.plan.headers, **extra)
 
     async def run(self, t0: float) -> dict[str, Any]:
         self.t0 = t0

@@ -24,6 +24,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from .. import wire
@@ -31,6 +32,7 @@ from ..config import ServerConfig
 from ..models import GenModel, Model
 from .encode import post_predict, post_root
 from .generate import post_generate
+from .guard import Guard
 from .handling import error_response
 from .metrics import attach_metrics, metrics_response
 from .openai import openai_error, routes as openai_routes
@@ -148,6 +150,7 @@ def create_app(config: ServerConfig | None = None, model: Model | GenModel | Non
             Route("/metrics", metrics, methods=["GET"]),
         ],
         exception_handlers={HTTPException: http_error, Exception: internal_error},
+        middleware=[Middleware(Guard, config=config)],  # the host check, the key, JSON only (server.guard)
         lifespan=lifespan,
     )
     app.state.runtime = runtime

@@ -24,7 +24,8 @@ __all__ = ["MODEL_NOT_FOUND", "openai_error", "openai_error_body", "openai_failu
 MODEL_NOT_FOUND = "model_not_found"
 
 # status -> OpenAI's error type for it
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error", 504: "timeout_error"}
 
 

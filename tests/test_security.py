@@ -1,0 +1,76 @@
+"""The doors before any route (``labserver.server.guard``), on a real server on a loopback socket:
+an API key, and the host check a web page's DNS rebinding meets."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+import labserver
+from labserver import wire
+from labserver.config import ServerConfig
+from labserver.loadgen import run_load_sync
+from labserver.models import SyntheticGen
+
+KEYS = ("sk-first", "sk-second")
+
+
+@pytest.fixture(scope="module")
+def keyed() -> Iterator[labserver.ServerHandle]:
+    with labserver.serve("gen-continuous", SyntheticGen(0, 0, max_context=64), api_keys=KEYS) as h:
+        yield h
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def test_every_route_but_health_asks_for_a_key(keyed: labserver.ServerHandle) -> None:
+    routes = [("POST", wire.GENERATE_PATH, {"prompt": "x", "max_new_tokens": 2}),
+              ("POST", wire.V1_COMPLETIONS_PATH, {"prompt": "x", "max_tokens": 2}),
+              ("GET", wire.V1_MODELS_PATH, None), ("GET", "/stats", None), ("GET", "/metrics", None)]
+    for method, path, body in routes:
+        for headers in ({}, bearer("sk-wrong"), {"authorization": "Basic c2stZmlyc3Q="}, bearer("sk-first-")):
+            r = httpx.request(method, keyed.url + path, json=body, headers=headers)
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.headers["www-authenticate"] == "Bearer" and "sk-" not in r.text
+            if path.startswith("/v1/"):
+                assert r.json()["error"]["code"] == "invalid_api_key"
+            else:
+                assert r.json()["error"]["type"] == "unauthorized"
+        for key in KEYS:  # either key opens every route
+            assert httpx.request(method, keyed.url + path, json=body, headers=bearer(key)).status_code == 200
+    assert httpx.get(keyed.url + "/health").status_code == 200  # a probe needs no key
+    assert keyed.stats()["statuses"]["401"] >= 20
+
+
+def test_the_load_generator_and_the_cli_pass_the_key(keyed: labserver.ServerHandle,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    result = run_load_sync(keyed.url, api="openai-completions", users=2, max_requests=6, new_tokens=3,
+                           api_key="sk-second", process=False, progress=False)
+    assert (result.records["status"] == 200).all() and len(result.records) == 6
+    refused = run_load_sync(keyed.url, mode="generate", users=1, max_requests=2, new_tokens=3, process=False,
+                            progress=False)
+    assert (refused.records["status"] == 401).all()
+    monkeypatch.setenv("LABSERVER_API_KEY", "sk-a, sk-b")
+    assert ServerConfig().api_keys == ("sk-a", "sk-b")  # a server started without keys takes the environment's
+    assert ServerConfig(api_keys=("sk-c",)).api_keys == ("sk-c",)
+    assert "sk-c" not in repr(ServerConfig(api_keys=("sk-c",)))
+    with pytest.raises(ValueError, match="printable ASCII"):
+        ServerConfig(api_keys=("has space",))
+
+
+def test_a_loopback_server_answers_only_requests_addressed_to_it() -> None:
+    """DNS rebinding: a page on evil.example resolves its name to 127.0.0.1; its requests still say Host: evil."""
+    with labserver.serve("gen-continuous", SyntheticGen(0, 0, max_context=64)) as h:
+        port = h.url.rsplit(":", 1)[1]
+        body = {"prompt": "x", "max_new_tokens": 2}
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"[::1]:{port}"):
+            assert httpx.post(h.url + wire.GENERATE_PATH, json=body, headers={"host": host}).status_code == 200, host
+        for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.evil.example:{port}", "10.0.0.5"):
+            r = httpx.post(h.url + wire.GENERATE_PATH, json=body, headers={"host": host})
+            assert r.status_code == 403 and r.json()["error"]["type"] == "forbidden", host
+            assert httpx.get(h.url + "/stats", headers={"host": host}).status_code == 403
+        assert h.stats()["running"] == 0
