@@ -118,9 +118,6 @@ class LoadSpec:
     mix: MixLike | None = None  # flows sent side by side (a Mix, a list of Flow, or "name:share:key=value,...")
     api_key: str | None = field(default=None, repr=False)  # sent as "Authorization: Bearer KEY" (--api-key)
 
-    def auth_headers(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
     def __post_init__(self) -> None:
         check_target(self.url, self.allow_remote)
         choices = {"mode": ("text", "json", "generate"), "overflow": ("error", "wait"), "client": tuple(CLIENTS),
@@ -257,7 +254,7 @@ def _plan(spec: LoadSpec) -> tuple[list[Plan], Arrival | None]:
     base = dict(url=spec.target_url(), mode=spec.mode, client=spec.client, timeout_s=spec.timeout_s,
                 overflow=spec.overflow, drain_s=spec.drain_s, seed=spec.seed, stream=spec.stream,
                 ignore_eos=spec.ignore_eos, api=spec.api, model=spec.model or "", texts_per_request=per,
-                headers=spec.auth_headers())
+                headers={"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {})
     generate = spec.generative
     mix = spec.mix
     plans: list[Plan] = []

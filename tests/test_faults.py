@@ -301,7 +301,7 @@ def test_inline_retries_after_a_failure_let_the_loop_run(strategy: str) -> None:
 
 def _raw_post(host: str, port: int, body: bytes) -> socket.socket:
     s = socket.create_connection((host, port), timeout=10)
-    s.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    s.sendall(b"POST / HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
     return s
 
 
@@ -336,7 +336,7 @@ def test_client_that_leaves_during_a_batch_is_never_computed(strategy: str) -> N
 def test_client_that_leaves_mid_body_is_499_not_500() -> None:
     with labserver.serve("thread", "echo") as h:
         s = socket.create_connection((h.host, h.port))
-        s.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\nonly ten b")
+        s.sendall(b"POST / HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 100\r\n\r\nonly ten b")
         s.close()  # the server parses the head, waits for the body, and finds the client gone
         wait_until(lambda: h.stats()["statuses"] == {"499": 1})
 
@@ -409,8 +409,10 @@ def test_warns_when_exposed(caplog: pytest.LogCaptureFixture, monkeypatch: pytes
     assert not caplog.records
     ServerConfig(host="0.0.0.0").warn_if_exposed()
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
-    assert "0.0.0.0" in caplog.text and "no authentication" in caplog.text
+    assert "0.0.0.0" in caplog.text and "no API key" in caplog.text
     caplog.clear()
+    ServerConfig(host="0.0.0.0", api_keys=("sk-x",)).warn_if_exposed()  # a key is the door there: no warning
+    assert not caplog.records
 
     class NotBound(Exception):
         pass
@@ -421,7 +423,7 @@ def test_warns_when_exposed(caplog: pytest.LogCaptureFixture, monkeypatch: pytes
     monkeypatch.setattr(launch, "bind_socket", refuse)  # prove serve() warns, without exposing anything
     with pytest.raises(NotBound):
         labserver.serve("thread", "echo", host="0.0.0.0")
-    assert "0.0.0.0" in caplog.text and "no authentication" in caplog.text
+    assert "0.0.0.0" in caplog.text and "no API key" in caplog.text
 
 
 @pytest.mark.parametrize("debug", [False, True])

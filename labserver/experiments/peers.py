@@ -34,6 +34,7 @@ import sys
 import tarfile
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -84,7 +85,11 @@ def save_for_peer(spec: str, folder: str | Path) -> Path:
         model = load_model(spec, device="cpu")
         tokenizer = model.tokenizer  # type: ignore[union-attr]
         tokenizer.chat_template = CHAT_TEMPLATE
-        model.hf_model.save_pretrained(folder)  # type: ignore[union-attr]
+        hf = model.hf_model  # type: ignore[union-attr]
+        kept: dict[tuple[int, tuple[int, ...]], Any] = {}  # (its weights are views laid out for decoding: saved as
+        #   contiguous copies, one per tensor, so a tied head stays one tensor)
+        hf.save_pretrained(folder, state_dict={k: kept.setdefault((v.data_ptr(), tuple(v.shape)), v.contiguous())
+                                               for k, v in hf.state_dict().items()})
         tokenizer.save_pretrained(folder)
     for name in ("config.json", "generation_config.json"):
         doc = json.loads((folder / name).read_text())
