@@ -42,6 +42,8 @@ class ServerConfig:
     max_chars: int = 100_000  # characters per text (400 above); the model truncates tokens itself
     max_new_tokens: int = 512  # /generate: the most tokens one request may ask for (400 above)
     debug: bool = False  # tracebacks in error responses: never on a shared server
+    read_timeout_s: float = 30.0  # a request's headers and body must arrive within this (server.connections)
+    max_connections: int = 4096  # open connections; one more gets a 503 and is closed (server.connections)
     drain_grace_s: float = 10.0  # on shutdown, time to finish queued work before answering 503
     lag_interval_ms: float = 10.0  # event-loop lag probe period, ms
     freeze_gc: bool = True  # gc.freeze() once loaded: no full-collection pauses walking the model (process-wide)
@@ -50,9 +52,11 @@ class ServerConfig:
     #   no LABSERVER_API_KEY: no key asked (server.guard)
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_inputs", "max_prompts", "max_chars", "max_new_tokens"):
+        for name in ("max_body_bytes", "max_inputs", "max_prompts", "max_chars", "max_new_tokens", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.read_timeout_s > 0:
+            raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if isinstance(self.api_keys, str):

@@ -26,6 +26,7 @@ import uvicorn
 from .config import DEFAULT_STRATEGY, ServerConfig, default_model
 from .models import GenModel, Model, ModelLoadError, release_openmp_threads
 from .server import Runtime, create_app, stats_dict
+from .server.connections import protocol_class
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,9 @@ def build_server(config: ServerConfig, model: Model | GenModel | None = None, si
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=config.drain_grace_s + 5,
+        http=protocol_class(config.read_timeout_s, config.max_connections),
         proxy_headers=False,  # nothing here reads the client's address: skip X-Forwarded-* on every request
-        # uvicorn's own 'auto' picks uvloop and httptools when installed
+        # httptools (above, with a read deadline and a connection bound); uvicorn's 'auto' picks uvloop
     )
     return _Server(uv, app.state.runtime, signals)
 

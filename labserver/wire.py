@@ -47,6 +47,7 @@ ERROR_TYPES: dict[str, int] = {
     "not_found": 404,
     "method_not_allowed": 405,
     "payload_too_large": 413,
+    "unsupported_media_type": 415,  # a POST to /predict, /generate or /v1/* that is not JSON
     "model_error": 500,
     "internal": 500,
     "model_unavailable": 503,

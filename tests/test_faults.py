@@ -76,7 +76,7 @@ def post_all(url: str, texts: list[str], path: str = "/") -> list[httpx.Response
     """Send the texts at once, one request each, and wait for every answer."""
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=url, timeout=20) as c:
-            return await asyncio.gather(*(c.post(path, content=t.encode()) for t in texts))
+            return await asyncio.gather(*(c.post(path, content=t.encode(), headers={"content-type": "application/json"}) for t in texts))
 
     return asyncio.run(main())
 
@@ -113,7 +113,7 @@ def test_model_load_failure_is_a_clear_503(monkeypatch: pytest.MonkeyPatch, spec
         assert health.status_code == 503
         assert health.json()["status"] == "failed" and fragment in health.json()["error"]
         for path, body in (("/", b"x"), ("/predict", b'{"inputs": ["x", "y"]}')):
-            err = assert_error(c.post(path, content=body), 503, "model_unavailable")
+            err = assert_error(c.post(path, content=body, headers={"content-type": "application/json"}), 503, "model_unavailable")
             assert fragment in err["message"]
         assert c.get("/stats").json()["state"] == "failed"  # still serving, not crashed
 
@@ -435,7 +435,7 @@ def test_no_tracebacks_or_internal_paths_unless_debug(debug: bool) -> None:
             assert_error(r, 500, "model_error")
             no_leak(r, "boom")
         assert (SECRET in r.text) is debug and ("traceback" in r.json()["error"]) is debug
-        r = httpx.post(h.url + "/predict", content=b"{broken")
+        r = httpx.post(h.url + "/predict", content=b"{broken", headers={"content-type": "application/json"})
         assert r.status_code == 400 and "Traceback" not in r.text
     with labserver.serve("thread", CrashModel(), debug=debug) as h:
         r = httpx.post(h.url + "/", content=b"__crash__")
@@ -461,5 +461,5 @@ def test_input_limits_are_enforced_and_configurable(options: dict[str, int], inp
         err = assert_error(c.post("/", content=b"c" * (chars + 1)), 400, "bad_request")
         assert f"limit of {chars}" in err["message"]
         big = b'{"inputs": "' + b" " * (body - 15) + b'x"}'
-        assert len(big) == body and c.post("/predict", content=big).status_code != 413
-        assert_error(c.post("/predict", content=big + b" "), 413, "payload_too_large")
+        assert len(big) == body and c.post("/predict", content=big, headers={"content-type": "application/json"}).status_code != 413
+        assert_error(c.post("/predict", content=big + b" ", headers={"content-type": "application/json"}), 413, "payload_too_large")

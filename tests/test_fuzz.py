@@ -26,6 +26,7 @@ from labserver import wire
 
 MAX_INPUTS, MAX_CHARS, MAX_BODY = 5000, 4000, 256 * 1024
 FUZZ = settings(max_examples=200, deadline=None)
+JSON = {"content-type": "application/json"}  # /predict takes JSON only (server.guard); "/" ignores it
 LEAKS = ("Traceback", 'File "', "site-packages", "labserver/", ".py")
 
 
@@ -97,7 +98,7 @@ def check(r: httpx.Response, path: str, body: bytes, c: httpx.Client) -> None:
 
 
 def post(c: httpx.Client, path: str, body: bytes) -> None:
-    check(c.post(path, content=body), path, body, c)
+    check(c.post(path, content=body, headers=JSON), path, body, c)
 
 
 # -- generators -----------------------------------------------------------------------------
@@ -162,7 +163,7 @@ def test_body_limit_is_exact(client: httpx.Client, path: str, offset: int, chunk
     content: Any = body
     if chunked:  # no content-length: the limit is enforced while reading
         content = iter([body[j:j + 65536] for j in range(0, size, 65536)])
-    r = client.post(path, content=content)
+    r = client.post(path, content=content, headers=JSON)
     check(r, path, body, client)
     assert (r.status_code == 413) is (size > MAX_BODY)
 
@@ -211,7 +212,7 @@ def test_named_nasties(client: httpx.Client, path: str, body: bytes) -> None:
 def test_deep_nesting(client: httpx.Client, depth: int, shape: str) -> None:
     nest = ("[" * depth + "]" * depth) if shape.endswith("list") else ('{"a":' * depth + "1" + "}" * depth)
     body = (nest if shape.startswith("top") else '{"inputs": ' + nest + "}").encode()
-    r = client.post("/predict", content=body)
+    r = client.post("/predict", content=body, headers=JSON)
     check(r, "/predict", body, client)
     assert r.status_code == 400
 
@@ -273,7 +274,7 @@ def test_long_texts_share_batches_with_short_ones(minilm: httpx.Client) -> None:
 @given(text=any_text)
 def test_odd_unicode_reaches_the_tokenizer_safely(minilm: httpx.Client, text: str) -> None:
     body = json.dumps({"inputs": text}).encode()  # lone surrogates travel as "\ud800" escapes
-    r = minilm.post("/predict", content=body)
+    r = minilm.post("/predict", content=body, headers=JSON)
     assert r.status_code < 500, r.text
     valid = bool(text.strip()) and "\x00" not in text and not any(0xD800 <= ord(c) <= 0xDFFF for c in text)
     assert r.status_code == (200 if valid else 400), (text, r.text[:200])

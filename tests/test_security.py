@@ -3,6 +3,7 @@ an API key, and the host check a web page's DNS rebinding meets."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -74,3 +75,34 @@ def test_a_loopback_server_answers_only_requests_addressed_to_it() -> None:
             assert r.status_code == 403 and r.json()["error"]["type"] == "forbidden", host
             assert httpx.get(h.url + "/stats", headers={"host": host}).status_code == 403
         assert h.stats()["running"] == 0
+
+
+BROWSER_SIMPLE = ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                  "multipart/form-data; boundary=x", None)  # None: a blob body, sent with no type at all
+
+
+def test_a_post_a_browser_may_send_cross_site_unasked_is_415() -> None:
+    """A page may POST form data, plain text or an untyped blob anywhere without a preflight: JSON it may not."""
+    with labserver.serve("gen-continuous", SyntheticGen(0, 0, max_context=64)) as h:
+        docs = {wire.GENERATE_PATH: {"prompt": "x", "max_new_tokens": 2},
+                wire.V1_COMPLETIONS_PATH: {"model": "synthetic", "prompt": "x", "max_tokens": 2},
+                wire.V1_CHAT_PATH: {"model": "synthetic", "messages": [{"role": "user", "content": "x"}]},
+                "/predict": {"inputs": ["x"]}}
+        for path, doc in docs.items():
+            body = json.dumps(doc).encode()
+            for kind in BROWSER_SIMPLE:
+                r = httpx.post(h.url + path, content=body, headers={"content-type": kind} if kind else {})
+                assert r.status_code == 415, (path, kind, r.text)
+                err = r.json()["error"]
+                assert err["type"] == ("invalid_request_error" if path.startswith("/v1/") else "unsupported_media_type")
+                assert "application/json" in err["message"]
+            for kind in ("application/json", "application/json; charset=utf-8", "Application/JSON",
+                         "application/vnd.labserver+json"):
+                r = httpx.post(h.url + path, content=body, headers={"content-type": kind})
+                assert r.status_code != 415, (path, kind)
+        assert h.stats()["running"] == 0 and h.stats()["statuses"]["415"] == 4 * len(BROWSER_SIMPLE)
+        assert httpx.get(h.url + wire.V1_MODELS_PATH).status_code == 200  # a GET has no body to type
+        preflight = httpx.options(h.url + wire.V1_COMPLETIONS_PATH, headers={
+            "origin": "http://evil.example", "access-control-request-method": "POST",
+            "access-control-request-headers": "content-type"})
+        assert not any(k.startswith("access-control-") for k in preflight.headers)  # never granted

@@ -83,7 +83,7 @@ def test_predict_string_and_list(echo: labserver.ServerHandle) -> None:
 )
 def test_bad_input_is_400_and_server_keeps_serving(echo: labserver.ServerHandle, path: str, body: bytes,
                                                    fragment: str) -> None:
-    r = httpx.post(echo.url + path, content=body)
+    r = httpx.post(echo.url + path, content=body, headers={"content-type": "application/json"})
     err = assert_error(r, 400, "bad_request")
     assert fragment in err["message"]
     assert httpx.post(echo.url + "/", content=b"still fine").status_code == 200

@@ -230,8 +230,8 @@ def test_temperatures_near_zero_priorities_and_stop_lengths(gen: labserver.Serve
 
 
 def test_malformed_bodies_and_limits(gen: labserver.ServerHandle) -> None:
-    assert_openai_error(httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, content=b"{nope"), 400, "bad_request")
-    assert_openai_error(httpx.post(gen.url + wire.V1_CHAT_PATH, content=b"[]"), 400, "bad_request")
+    assert_openai_error(httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, content=b"{nope", headers={"content-type": "application/json"}), 400, "bad_request")
+    assert_openai_error(httpx.post(gen.url + wire.V1_CHAT_PATH, content=b"[]", headers={"content-type": "application/json"}), 400, "bad_request")
     assert_openai_error(httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "x" * 5000}), 413,
                         "payload_too_large")
     assert_openai_error(httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "w " * 70}), 400,

@@ -34,6 +34,11 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-chars", type=int, default=_CONFIG.max_chars)
     p.add_argument("--max-new-tokens", type=int, default=_CONFIG.max_new_tokens,
                    help="/generate: the most tokens one request may ask for (default: %(default)s)")
+    p.add_argument("--read-timeout", type=float, default=_CONFIG.read_timeout_s, metavar="S",
+                   help="a request's headers and body must arrive within S seconds, else the connection "
+                        "is closed (default: %(default)s)")
+    p.add_argument("--max-connections", type=int, default=_CONFIG.max_connections,
+                   help="open connections; one more gets a 503 and is closed (default: %(default)s)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="ask every request but GET /health for Authorization: Bearer KEY (repeat for several; "
                         "default: $LABSERVER_API_KEY, comma-separated, else none)")
@@ -57,6 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=limits_from(args), host=args.host, port=args.port, debug=args.debug,
         max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_prompts=args.max_prompts,
         max_chars=args.max_chars, max_new_tokens=args.max_new_tokens, log_level=args.log_level,
+        read_timeout_s=args.read_timeout, max_connections=args.max_connections,
         api_keys=tuple(args.api_key or ()),
     )
     if args.replicas is not None:

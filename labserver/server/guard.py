@@ -1,6 +1,6 @@
 """The doors before any route: who may talk to this server, and from where.
 
-Two checks, in this order, on every HTTP request (an ASGI middleware, so they run before
+Three checks, in this order, on every HTTP request (an ASGI middleware, so they run before
 a body is read or anything is queued):
 
 - **the host check** (bound to a loopback address only): a ``Host`` header that names
@@ -15,9 +15,13 @@ a body is read or anything is queued):
   compared as SHA-256 digests with ``secrets.compare_digest``, against every key, so the
   time taken says nothing about how much of a guess was right (vLLM's way).
 
-What this is not (yet): a content-type check. A page can still send a cross-site "simple"
-POST (a form, plain text) to a server without a key; the host check stops it only where
-the page's name is not a loopback one (docs/security.md).
+- **the content type** of a POST to ``/predict``, ``/generate`` and ``/v1/*``: JSON
+  (``application/json``, parameters allowed, or a ``+json`` type), else 415. A browser
+  sends a cross-site POST without asking the server first only as a "simple" request:
+  form data, ``text/plain``, or no type at all (a blob). Refusing those means a page can
+  make these routes compute only by sending JSON, which the browser asks permission for
+  (a CORS preflight this server never grants). ``POST /`` keeps taking raw text, as the
+  guide's server does; it is guarded by the host check and the key.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = ["Guard", "LOOPBACK_NAMES", "is_loopback"]
 
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
 OPEN_PATHS = frozenset({"/health"})
+JSON_PATHS = ("/predict", "/generate", "/v1/")  # a POST here must say it sends JSON
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
@@ -53,8 +58,18 @@ def _host_name(value: str) -> str:
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
 
 
+def is_json(content_type: str) -> bool:
+    """``application/json`` (``; charset=...`` allowed) or a ``+json`` type."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def needs_json(method: str, path: str) -> bool:
+    return method == "POST" and any(path == p or (p.endswith("/") and path.startswith(p)) for p in JSON_PATHS)
+
+
 class Guard:
-    """The two checks of this module's docstring, before ``app``."""
+    """The three checks of this module's docstring, before ``app``."""
 
     def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
         self.app = app
@@ -93,6 +108,11 @@ class Guard:
         if self.keys and path not in OPEN_PATHS and not self.authorized(headers.get("authorization", "")):
             return "unauthorized", "a valid API key is needed: send the header Authorization: Bearer KEY", \
                 {"www-authenticate": "Bearer"}
+        if needs_json(scope["method"], path) and not is_json(headers.get("content-type", "")):
+            got = headers.get("content-type")
+            return "unsupported_media_type", (f"this route takes JSON: send the header Content-Type: application/json "
+                                              f"(got {got[:80]!r})" if got else "this route takes JSON: send the "
+                                              "header Content-Type: application/json (none was sent)"), {}
         return None
 
     def authorized(self, value: str) -> bool:

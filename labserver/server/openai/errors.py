@@ -25,8 +25,8 @@ MODEL_NOT_FOUND = "model_not_found"
 
 # status -> OpenAI's error type for it
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error", 504: "timeout_error"}
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          415: "invalid_request_error", 500: "server_error", 503: "service_unavailable_error", 504: "timeout_error"}
 
 
 def openai_error_body(kind: str, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
