@@ -146,6 +146,16 @@ class ServerHandle:
         return self.runtime.healthy()
 
     @property
+    def api_key(self) -> str | None:
+        """The server's first key (``api_keys``, ``--api-key``), for clients in this process; None without one."""
+        return self.config.api_keys[0] if self.config.api_keys else None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request to this server needs: ``Authorization: Bearer KEY`` when it asks for a key."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
     def stopped(self) -> bool:
         if self._thread is not None:
             return not self._thread.is_alive()

@@ -12,6 +12,7 @@ import pytest
 import labserver
 from labserver import wire
 from labserver.config import ServerConfig
+from labserver.experiments.runs import load_rates
 from labserver.loadgen import run_load_sync
 from labserver.models import SyntheticGen
 
@@ -55,6 +56,9 @@ def test_the_load_generator_and_the_cli_pass_the_key(keyed: labserver.ServerHand
     refused = run_load_sync(keyed.url, mode="generate", users=1, max_requests=2, new_tokens=3, process=False,
                             progress=False)
     assert (refused.records["status"] == 401).all()
+    runs = load_rates(keyed, [40], label="keyed", duration_s=0.5, mode="generate", new_tokens=2, process=False)
+    assert len(runs.records) >= 5 and (runs.records["status"] == 200).all()  # the lab helpers send the handle's key
+    assert httpx.get(keyed.url + "/stats", headers=keyed.headers).status_code == 200
     monkeypatch.setenv("LABSERVER_API_KEY", "sk-a, sk-b")
     assert ServerConfig().api_keys == ("sk-a", "sk-b")  # a server started without keys takes the environment's
     assert ServerConfig(api_keys=("sk-c",)).api_keys == ("sk-c",)

@@ -124,12 +124,13 @@ def steps_in_run(handle: ServerHandle, since_s: float) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=STEP_COLUMNS[2:])
 
 
-def warm_up(url: str, n: int = 10, payload: PayloadLike = "warm up", mode: str = "text") -> None:
+def warm_up(url: str, n: int = 10, payload: PayloadLike = "warm up", mode: str = "text",
+            api_key: str | None = None) -> None:
     """Send ``n`` requests one after another and forget them: a fresh model's first calls are slow."""
     if n > 0:
         extra = {"new_tokens": 8, "timeout_s": 600.0} if mode == "generate" else {}
         run_load_sync(url, users=1, max_requests=n, payload=payload, mode=mode, process=False, progress=False,
-                      **extra)
+                      api_key=api_key, **extra)
 
 
 def load_rates(handle: ServerHandle, rates: Sequence[float], *, label: str, duration_s: float,
@@ -142,10 +143,11 @@ def load_rates(handle: ServerHandle, rates: Sequence[float], *, label: str, dura
     payloads, output lengths) depends only on ``(seed, rate)``: every server, in any
     list of rates, gets the same requests at the same rate. ``load_options`` go to
     ``run_load_sync`` (``mode``, ``new_tokens``, ``process``, ``probe_interval_s``, ``timeout_s`` ...);
-    ``on_run(label, rate, result)`` is called after each run.
+    ``on_run(label, rate, result)`` is called after each run. A server started with a key
+    is sent its key.
     """
     parts = []
-    options = {"progress": False, **load_options}
+    options = {"progress": False, "api_key": handle.api_key, **load_options}
     for rate in rates:
         since = time.perf_counter()
         result = run_load_sync(handle.url, arrival=arrival, rate_per_s=rate, duration_s=duration_s + warmup_s,
@@ -183,7 +185,8 @@ def serve_and_load(strategies: Sequence[str] | Mapping[str, Mapping[str, Any]], 
         options = {"new_tokens": new_tokens, "timeout_s": 1800.0, **options}
     parts = []
     for label, handle in serve_each(strategies, model, **knobs):
-        warm_up(handle.url, warm_requests if mode != "generate" else min(warm_requests, 4), payload, mode)
+        warm_up(handle.url, warm_requests if mode != "generate" else min(warm_requests, 4), payload, mode,
+                handle.api_key)
         parts.append(load_rates(handle, rates, label=label, duration_s=duration_s, warmup_s=warmup_s,
                                 payload=payload, arrival=arrival, seed=seed, mode=mode, on_run=on_run, **options))
     return Runs.concat(parts)
