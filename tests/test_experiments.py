@@ -31,14 +31,14 @@ def assert_png(path: Path) -> None:
 
 
 def is_answer(records: pd.DataFrame) -> pd.Series:
-    """Rows of records.csv read back that were answered: status 200 and an empty error cell."""
+    """Rows of records.csv.gz read back that were answered: status 200 and an empty error cell."""
     return (records["status"] == 200) & records["error"].isna()
 
 
 def assert_results_agree(out: Path, labels: list[str], rates: list[float]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """records.csv, summary.csv, summary.json, lag.csv and machine.json of one results folder agree:
+    """records.csv.gz, summary.csv, summary.json, lag.csv.gz and machine.json of one results folder agree:
     one summary row per (label, rate), each counting that run's records; every run's loop sampled."""
-    records = pd.read_csv(out / "records.csv")
+    records = pd.read_csv(out / "records.csv.gz")
     assert set(records.columns) == {*RECORD_COLUMNS, "label", "rate"}
     doc = json.loads((out / "summary.json").read_text())
     summary = pd.DataFrame(doc["summary"])
@@ -54,7 +54,7 @@ def assert_results_agree(out: Path, labels: list[str], rates: list[float]) -> tu
         assert row.n_ok == int(answered[measured.index].sum()) > 0, row.label
         assert math.isclose(row.throughput_rps, row.n_ok / row.window_s, rel_tol=1e-6), row.label
         assert 0 < row.p50_ms <= row.p99_ms <= row.max_ms, row.label
-    lag = pd.read_csv(out / "lag.csv")
+    lag = pd.read_csv(out / "lag.csv.gz")
     assert list(lag.columns) == ["label", "rate", "t_s", "lag_ms"]
     sampled = lag.groupby(["label", "rate"]).size()
     assert all(sampled.get((label, rate), 0) > 0 for label in labels for rate in rates), sampled
@@ -106,6 +106,12 @@ def test_saved_records_read_back_numeric_even_with_failures(tmp_path: Path) -> N
     assert records["error"].tolist() == ["", "client_overflow"]
     experiment.draw(tmp_path)  # draws without tripping over the missing numbers
     assert (tmp_path / "overview.png").exists()
+    gz = tmp_path / "gz"  # the way results are written now: to the microsecond, gzipped, read back alike
+    gz.mkdir()
+    assert experiment.save_table(rows.assign(sent_s=[1 / 3, 2 / 3]), gz / "records.csv") == gz / "records.csv.gz"
+    again = experiment.read(gz)[0].records
+    assert again["sent_s"].tolist() == [0.333333, 0.666667] and again["latency_ms"].isna().sum() == 1
+    assert again["error"].tolist() == ["", "client_overflow"]
 
 
 def test_bench_cli_runs_one_load_and_saves_it(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
@@ -182,7 +188,7 @@ def test_generation_compare_writes_results_and_plot_redraws_them(tmp_path: Path,
         assert math.isclose(row.token_throughput_tps, row.output_tokens / row.window_s, rel_tol=1e-6), row.label
 
     # tokens.csv: one row per token each request received, numbered from 0
-    tokens = pd.read_csv(out / "tokens.csv")
+    tokens = pd.read_csv(out / "tokens.csv.gz")
     assert list(tokens.columns) == ["label", "rate", "i", "k", "t_s"] and len(tokens) == records["n_tokens"].sum()
     per_request = tokens.groupby(["label", "rate", "i"])["k"].agg(["size", "min", "max"])
     received = records.set_index(["label", "rate", "i"])["n_tokens"]
@@ -190,7 +196,7 @@ def test_generation_compare_writes_results_and_plot_redraws_them(tmp_path: Path,
     assert (per_request["min"] == 0).all() and (per_request["max"] == per_request["size"] - 1).all()
 
     # steps.csv: the server's steps, every answered request among their sequences; the idle share from them
-    steps = pd.read_csv(out / "steps.csv", keep_default_na=False)
+    steps = pd.read_csv(out / "steps.csv.gz", keep_default_na=False)
     assert {"label", "rate", "step", "decoding", "start_s", "end_s", "seqs", "idle"} <= set(steps.columns)
     decodes = steps["decoding"].map(lambda v: len(str(v).split())) == steps["seqs"].map(lambda v: len(str(v).split()))
     prefills = steps["decoding"].map(lambda v: not str(v).split())

@@ -72,7 +72,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     print(cx.table(summary, cfg.task))
     for w in runs.warnings:
         print(f"warning: {w}", file=sys.stderr)
-    files = "records.csv, tokens.csv, steps.csv" if generate else "records.csv, lag.csv"
+    files = "records.csv.gz, tokens.csv.gz, steps.csv.gz" if generate else "records.csv.gz, lag.csv.gz"
     print(f"wrote {out}/: {files}, summary.json, summary.csv, machine.json and PNG plots", file=sys.stderr)
     return 0
 
