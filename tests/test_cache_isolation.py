@@ -19,7 +19,6 @@ import labserver
 from labserver import wire
 from labserver.config import ServerConfig
 from labserver.models import load_model
-from labserver.server.handling import cache_salt
 
 from .test_server_openai import assert_openai_error
 
@@ -93,11 +92,10 @@ def test_generate_is_isolated_by_tenant_too(server: labserver.ServerHandle) -> N
     text = prompt()
 
     def hits(tenant: str) -> int:
-        before = server.stats()["cached_tokens"]
         r = httpx.post(server.url + wire.GENERATE_PATH, json={"prompt": text, "max_new_tokens": 2},
                        headers={wire.HEADER_TENANT: tenant}, timeout=30)
         assert r.status_code == 200, r.text
-        return int(server.stats()["cached_tokens"] - before)
+        return int(r.json()["timing"]["cached_tokens"])
 
     assert hits("tenant-a") == 0
     assert (hits("tenant-b") == 0) if isolated(server) else (hits("tenant-b") > 0)
@@ -117,8 +115,22 @@ def test_a_bad_cache_salt_is_a_400_naming_it(server: labserver.ServerHandle, pat
 
 def test_the_salt_of_a_tenant_cannot_be_sent_as_a_cache_salt() -> None:
     """Under tenant isolation every salt holds its tenant: no cache_salt another tenant (or none) sends is equal."""
+    from labserver.server.handling import cache_salt
+
     salts = {cache_salt("tenant", t, s) for t in ("", "a", "b", "a:", ":") for s in (None, "a", "b", "", ":a")}
     assert len(salts) == 5 * 5 and "" in salts  # the unnamed tenant without a salt: no salt at all
     assert cache_salt("none", "a", "s") == "s" and cache_salt("none", "a") == ""
     with pytest.raises(ValueError, match="cache_isolation"):
         ServerConfig(cache_isolation="user")
+
+
+def test_the_serve_command_takes_the_isolation(monkeypatch: pytest.MonkeyPatch) -> None:
+    from labserver import cli, launch
+
+    started: list[ServerConfig] = []
+    monkeypatch.setattr(launch, "run_forever", started.append)
+    args = ["serve", "--strategy", "gen-continuous", "--model", "synthetic-gen:1+0", "--prefix-cache"]
+    assert cli.main([*args, "--cache-isolation", "tenant"]) == 0 and cli.main(args) == 0
+    assert [c.cache_isolation for c in started] == ["tenant", "none"] and started[0].limits.prefix_cache
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--cache-isolation", "user"])

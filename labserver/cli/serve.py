@@ -38,10 +38,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="ask every request but GET /health for Authorization: Bearer KEY (repeat for several; "
                         "default: $LABSERVER_API_KEY, comma-separated, else none)")
     p.add_argument("--cache-isolation", choices=CACHE_ISOLATION, default=_CONFIG.cache_isolation,
-                   help="whose prefix-cache blocks a /v1 or /generate request may reuse: none = any request's "
-                        "(cached_tokens and time to first token can tell a client what others sent); tenant = only "
-                        "those of requests with its x-tenant header, and its cache_salt if it sends one "
-                        "(default: %(default)s)")
+                   help="with --prefix-cache, whose cached blocks a request may reuse: none = any request's with "
+                        "the same cache_salt, or any unsalted one's (its cached_tokens and time to first token can "
+                        "tell a client what others sent); tenant = only its own tenant's (x-tenant), with the same "
+                        "cache_salt (default: %(default)s; docs/security.md)")
     p.add_argument("--debug", action="store_true", help="tracebacks in error responses (never when shared)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--replicas", type=int, default=None,
