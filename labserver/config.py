@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 API_KEY_ENV = "LABSERVER_API_KEY"  # comma-separated keys, when none is given otherwise
 DEFAULT_STRATEGY = "thread"
 DEFAULT_MODEL = DEFAULT_MODELS["encode"]
+CACHE_ISOLATION = ("none", "tenant")  # whose prefix-cache blocks a request may share: anyone's, or its tenant's
 
 
 def default_model(strategy: str) -> str:
@@ -50,6 +51,7 @@ class ServerConfig:
     log_level: str = "warning"
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # any of them as "Authorization: Bearer KEY"; () and
     #   no LABSERVER_API_KEY: no key asked (server.guard)
+    cache_isolation: str = "none"  # "tenant": the prefix cache is salted by x-tenant (server.handling.cache_salt)
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_inputs", "max_prompts", "max_chars", "max_new_tokens", "max_connections"):
@@ -57,6 +59,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.read_timeout_s > 0:
             raise ValueError(f"read_timeout_s must be > 0, got {self.read_timeout_s}")
+        if self.cache_isolation not in CACHE_ISOLATION:
+            raise ValueError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATION)}, "
+                             f"got {self.cache_isolation!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if isinstance(self.api_keys, str):

@@ -135,6 +135,53 @@ def test_a_planned_release_counts_what_the_real_one_frees() -> None:
     assert m.cost(newcomer, len(newcomer) + 1) == 1 and m.cost(newcomer, len(newcomer) + 1, [1, 2, 3]) == 3
 
 
+def computed_table(m: BlockManager, owner: int, tokens: list[int], salt: str = "") -> int:
+    """A table for ``tokens`` under ``salt``, its every position computed; returns the prefix cache's hit."""
+    hit = m.start(owner, tokens, salt)
+    m.grow(owner, len(tokens))
+    m.computed(owner, tokens, len(tokens))
+    return hit
+
+
+def test_only_tables_with_the_same_salt_share_cached_blocks() -> None:
+    m = BlockManager(16, B, prefix_cache=True)
+    prompt = list(range(10))  # two whole blocks before its last token
+    assert computed_table(m, 1, prompt, "tenant-a") == 0
+    assert m.match(prompt, "tenant-b") == 0 and m.match(prompt) == 0  # no other salt, and no salt, reaches them
+    assert m.cost(prompt, len(prompt), salt="tenant-b") == 3
+    assert computed_table(m, 2, prompt, "tenant-b") == 0
+    assert not set(m.tables[1]) & set(m.tables[2])  # the same tokens, two copies
+    assert m.match(prompt, "tenant-a") == 8 and m.cost(prompt, len(prompt), salt="tenant-a") == 1
+    assert computed_table(m, 3, prompt, "tenant-a") == 8 and m.tables[3][:2] == m.tables[1][:2]
+    m.check()
+
+
+def test_no_salt_keys_blocks_as_before_salts_existed() -> None:
+    """The empty salt is no salt: the first block's parent is None, every key hash((parent, tokens)), as always."""
+    m = BlockManager(8, B, prefix_cache=True)
+    prompt = list(range(10))
+    computed_table(m, 1, prompt, "")
+    first = hash((None, tuple(prompt[:B])))
+    assert m._key_of[m.tables[1][0]][0] == first
+    assert m._key_of[m.tables[1][1]][0] == hash((first, tuple(prompt[B:2 * B])))
+    assert m.match(prompt) == 8
+
+
+def test_a_fork_and_a_preempted_table_keep_their_salt() -> None:
+    m = BlockManager(16, B, prefix_cache=True)
+    prompt = list(range(10))
+    computed_table(m, 1, prompt, "s")
+    m.fork(2, 1, len(prompt) - 1)
+    m.grow(2, len(prompt) + B)
+    longer = prompt + [50, 51, 52, 53, 54]
+    m.computed(2, longer, len(longer))  # the fork registers its own third block under the first's salt
+    assert m.match(longer, "s") == 12 and m.match(longer) == 0
+    m.release(1)
+    m.release(2)  # preempted: its blocks cached under "s", found again when it is admitted again
+    assert m.start(2, longer, "s") == 12 and m.match(longer, "t") == 0
+    m.check()
+
+
 def test_bad_pools_and_a_second_table_are_refused() -> None:
     with pytest.raises(ValueError):
         BlockManager(0, B)
@@ -148,16 +195,18 @@ class Sequences(RuleBasedStateMachine):
     """Random sequences admitted, grown a token at a time, computed, finished or preempted.
 
     Beside the manager, a pool of what each block *holds* (token ids where the model would
-    keep keys and values) is written as a model would write it. Reading every sequence back
-    through its table must give its own tokens: a shared block holds exactly what each sharer
-    would have computed, and no one's blocks were handed to someone else.
+    keep keys and values, each with the salt of the sequence that wrote it) is written as a
+    model would write it. Reading every sequence back through its table must give its own
+    tokens under its own salt: a shared block holds exactly what each sharer would have
+    computed, no one's blocks were handed to someone else, and no salt reads another's.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.m = BlockManager(12, B, prefix_cache=True)
-        self.pool: dict[int, list[int | None]] = {}
+        self.pool: dict[int, list[tuple[str, int] | None]] = {}
         self.seqs: dict[int, list[int]] = {}  # owner -> its tokens
+        self.salts: dict[int, str] = {}  # owner -> its salt
         self.done: dict[int, int] = {}  # owner -> positions computed
         self.next_owner = 1
 
@@ -165,24 +214,24 @@ class Sequences(RuleBasedStateMachine):
         table, tokens = self.m.tables[owner], self.seqs[owner]
         for p in range(self.done[owner], upto):
             slot = self.pool.setdefault(table[p // B], [None] * B)
-            slot[p % B] = tokens[p]
+            slot[p % B] = (self.salts[owner], tokens[p])
         self.done[owner] = upto
         self.m.computed(owner, tokens, upto)
 
     @rule(prefix=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
-          rest=st.lists(st.integers(1, 3), min_size=1, max_size=9))
-    def admit(self, prefix: list[int], rest: list[int]) -> None:
+          rest=st.lists(st.integers(1, 3), min_size=1, max_size=9), salt=st.sampled_from(["", "a", "b"]))
+    def admit(self, prefix: list[int], rest: list[int], salt: str) -> None:
         tokens, owner = prefix + rest, self.next_owner
         self.next_owner += 1
-        need, available = self.m.cost(tokens, len(tokens)), self.m.available
-        hit = self.m.match(tokens)
-        assert self.m.start(owner, tokens) == hit and hit < len(tokens)
+        need, available = self.m.cost(tokens, len(tokens), salt=salt), self.m.available
+        hit = self.m.match(tokens, salt)
+        assert self.m.start(owner, tokens, salt) == hit and hit < len(tokens)
         if not self.m.grow(owner, len(tokens)):  # refused exactly when the cost was over what was available
             assert need > available
             self.m.release(owner)
             return
         assert need <= available and self.m.available == available - need
-        self.seqs[owner], self.done[owner] = tokens, hit
+        self.seqs[owner], self.done[owner], self.salts[owner] = tokens, hit, salt
         self.write(owner, len(tokens))  # the prefill: only the tokens after the hit are computed
 
     @precondition(lambda self: self.seqs)
@@ -210,7 +259,7 @@ class Sequences(RuleBasedStateMachine):
         if not self.m.grow(owner, len(tokens)):
             self.m.release(owner)
             return
-        self.seqs[owner], self.done[owner] = tokens, shared
+        self.seqs[owner], self.done[owner], self.salts[owner] = tokens, shared, self.salts[parent]
         self.write(owner, len(tokens))  # only what follows the shared blocks is computed
 
     @precondition(lambda self: self.seqs)
@@ -231,7 +280,7 @@ class Sequences(RuleBasedStateMachine):
             table = self.m.tables[owner]
             assert len(table) == self.m.blocks_for(len(tokens))
             read = [self.pool[table[p // B]][p % B] for p in range(self.done[owner])]
-            assert read == tokens[:self.done[owner]]
+            assert read == [(self.salts[owner], t) for t in tokens[:self.done[owner]]]
 
     def teardown(self) -> None:
         for owner in list(self.seqs):

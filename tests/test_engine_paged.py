@@ -81,8 +81,8 @@ def test_a_preempted_sequence_the_prefix_cache_restores_to_its_last_token_is_pre
     restored: list[int] = []
     start = BlockManager.start
 
-    def watch(self: BlockManager, owner: int, tokens: list[int]) -> int:
-        hit = start(self, owner, tokens)
+    def watch(self: BlockManager, owner: int, tokens: list[int], salt: str = "") -> int:
+        hit = start(self, owner, tokens, salt)
         if hit == len(tokens) - 1 and hit > 0:
             restored.append(owner)
         return hit
@@ -129,6 +129,34 @@ def test_chunked_prefill_changes_no_token_and_keeps_the_step_budget(strategy: st
     long = chunked[-1]
     pieces = [st for st in steps if long.sid in st["prefilling"]]
     assert len(pieces) >= 150 // 24 and any(st["decoding"] for st in pieces)  # beside running decodes
+
+
+def test_only_sequences_with_the_same_salt_share_prefix_blocks(tiny: Any) -> None:
+    """One prompt under salts a, b, a, then a's n = 2 choices and b's again: a hit only under the salt that
+    computed it, the choices share (a fork keeps the salt), and the tokens are the unsalted ones."""
+    ids = tiny.encode(prompts(1, shared=40)[0])
+
+    async def main() -> tuple[list[Seq], dict[str, Any], Any]:
+        e = StepEngine(make_strategy("gen-continuous", Limits(prefix_cache=True)), tiny)
+        e.start()
+        try:
+            seqs = []
+            for salt in ("a", "b", "a", ""):
+                seqs.append(e.submit(ids, 6, ignore_eos=True, cache_salt=salt))
+                await seqs[-1].future
+            first = e.submit(ids, 6, ignore_eos=True, cache_salt="b")
+            second = e.submit(ids, 6, ignore_eos=True, cache_salt="b", parent=first)
+            await asyncio.gather(first.future, second.future)
+            return [*seqs, first, second], e.stats(), e.blocks
+        finally:
+            await e.stop()
+
+    seqs, stats, blocks = asyncio.run(main())
+    whole = (len(ids) - 1) // 16 * 16
+    assert [s.cached_tokens for s in seqs[:4]] == [0, 0, whole, 0]  # "": no salt, its own cache
+    assert seqs[4].cached_tokens == whole and stats["shared_tokens"] == whole  # b's blocks, then a fork of them
+    assert all(s.tokens == seqs[3].tokens for s in seqs)
+    blocks.check()
 
 
 def test_a_client_that_leaves_gives_its_blocks_back() -> None:

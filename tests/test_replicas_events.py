@@ -53,3 +53,18 @@ def test_the_board_forgets_a_replica_that_stopped_reporting() -> None:
         now[0] += Reports.FORGET_S
         board.put(f"r{replica}", {}, [])
     assert set(board.reports) == {"r98", "r99"}
+
+
+def test_the_salt_crosses_to_the_replica_and_the_router_keys_on_it() -> None:
+    """The ingress's salt goes with the job: the replica shares blocks under it, a router reads it with the prompt."""
+    from types import SimpleNamespace
+
+    from labserver.engine.sequence import Request, Seq
+    from labserver.replicas.remote import job_of
+    from labserver.replicas.routers import route_of
+
+    job = job_of(Seq(1, Request([5, 6, 7], 4, 0.0, tenant="a", cache_salt="tenant:1:a:"), None))
+    assert job["cache_salt"] == "tenant:1:a:"
+    route = route_of(SimpleNamespace(args=[job]))  # type: ignore[arg-type]
+    assert (route.prompt, route.salt) == ("5 6 7", "tenant:1:a:")
+    assert route_of(SimpleNamespace(args=[{"prompt": "5 6 7"}])).salt == ""  # type: ignore[arg-type]

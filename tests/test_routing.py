@@ -95,6 +95,33 @@ def test_prefix_aware_follows_the_longest_prefix_until_the_loads_spread_past_the
         policy.last["reason"] == "no match: most cache room"
 
 
+def test_prefix_aware_matches_a_prompt_only_under_its_own_salt() -> None:
+    """A prompt one tenant sent is no match for another's (its route would tell that tenant what was sent); the
+    same salt matches as no salt does."""
+    policy = PrefixAware(seed=0, block=8)
+    ids = ["a", "b", "c"]
+    prompt = "the secret document that tenant a sent " * 4
+    first = policy.choose(Route(prompt=prompt, salt="tenant-a"), ids, [0, 0, 0])
+    for salt in ("tenant-b", ""):
+        policy.choose(Route(prompt=prompt, salt=salt), ids, [0, 0, 0])
+        assert policy.last["reason"] == "no match: most cache room", salt
+    assert policy.choose(Route(prompt=prompt, salt="tenant-a"), ids, [0, 0, 0]) == first
+    assert policy.last["reason"] == "longest prefix"
+    index = policy.index[ids[first]]
+    assert index.keys(prompt) != index.keys(prompt, "tenant-a") != index.keys(prompt, "tenant-b")
+
+
+def test_prefix_hash_keys_on_the_salt_with_the_prompt() -> None:
+    policy = PrefixHash(chars=32)
+    prompt = "one prompt, many tenants " * 4
+    plain = policy.choose(Route(prompt=prompt), IDS, [0] * 6)
+    assert {policy.choose(Route(prompt=prompt, salt=""), IDS, [0] * 6) for _ in range(3)} == {plain}
+    salted = {policy.choose(Route(prompt=prompt, salt=f"tenant-{i}"), IDS, [0] * 6) for i in range(40)}
+    assert len(salted) > 3  # each salt its own key: spread, not all on the unsalted prompt's replica
+    assert policy.choose(Route(prompt=prompt, salt="t"), IDS, [0] * 6) == \
+        policy.choose(Route(prompt=prompt + " another tail", salt="t"), IDS, [0] * 6)  # still sticky within a salt
+
+
 def test_random_and_pow2_meet_the_supermarket_model_at_load_point_nine() -> None:
     """64 FIFO M/M/1 replicas at load 0.9: one random choice is M/M/1 (10 service times), the shorter of
     two random ones about 2.61 (Mitzenmacher's limit); both within 10 %."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import ServerConfig, default_model
+from ..config import CACHE_ISOLATION, ServerConfig, default_model
 from ..strategies import describe, strategy_names
 from .args import add_model_args, add_strategy_args, limits_from
 
@@ -42,6 +42,11 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="ask every request but GET /health for Authorization: Bearer KEY (repeat for several; "
                         "default: $LABSERVER_API_KEY, comma-separated, else none)")
+    p.add_argument("--cache-isolation", choices=CACHE_ISOLATION, default=_CONFIG.cache_isolation,
+                   help="with --prefix-cache, whose cached blocks a request may reuse: none = any request's with "
+                        "the same cache_salt, or any unsalted one's (its cached_tokens and time to first token can "
+                        "tell a client what others sent); tenant = only its own tenant's (x-tenant), with the same "
+                        "cache_salt (default: %(default)s; docs/security.md)")
     p.add_argument("--debug", action="store_true", help="tracebacks in error responses (never when shared)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--replicas", type=int, default=None,
@@ -63,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_prompts=args.max_prompts,
         max_chars=args.max_chars, max_new_tokens=args.max_new_tokens, log_level=args.log_level,
         read_timeout_s=args.read_timeout, max_connections=args.max_connections,
-        api_keys=tuple(args.api_key or ()),
+        api_keys=tuple(args.api_key or ()), cache_isolation=args.cache_isolation,
     )
     if args.replicas is not None:
         return serve_replicas_until_stopped(config, args)

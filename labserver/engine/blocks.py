@@ -29,6 +29,12 @@ blocks, each referenced once more.
 Only whole blocks strictly before a prompt's last token are ever shared: the last token
 is always computed (its scores give the next token), so nobody writes into a shared block.
 
+A *salt* (a request's ``cache_salt``, or its tenant under tenant isolation) is the root of
+a table's chain: its first block's parent is the salt instead of nothing, so every key after
+it differs too, and only tables started with the same salt reach the same keys. A salt is a
+string and a key an int, so no salted chain can meet an unsalted one even on a hash
+collision; the empty salt is no salt, and hashes exactly as before salts existed.
+
 This module only counts blocks: pure Python, no torch. Who may take memory is a
 strategy's rule (``labserver.strategies``), where keys and values sit is the model's
 (``labserver.models.kvcache``), and the step engine joins the two.
@@ -42,6 +48,7 @@ from collections.abc import Collection, Sequence
 __all__ = ["BlockManager"]
 
 Key = int  # a registered block's name: hash of (previous block's key, its tokens)
+Parent = Key | str | None  # a first block's parent is its table's salt, or None (no salt)
 
 
 class BlockManager:
@@ -56,8 +63,9 @@ class BlockManager:
         self._free = list(range(total - 1, -1, -1))  # a stack: the block freed last is reused first (warm)
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced registered blocks, oldest first
         self._block_of: dict[Key, int] = {}  # prefix cache: key -> block
-        self._key_of: dict[int, tuple[Key, Key | None, tuple[int, ...]]] = {}  # block -> (key, parent, tokens)
+        self._key_of: dict[int, tuple[Key, Parent, tuple[int, ...]]] = {}  # block -> (key, parent, tokens)
         self._keys: dict[int, list[Key]] = {}  # owner -> keys of its leading full, computed blocks
+        self._roots: dict[int, str | None] = {}  # owner -> its salt (None: none), the parent of its first block
         self._forked: set[int] = set()  # blocks shared by fork (registered or not), until they are free
         self.evicted = 0  # cached blocks whose memory was taken for something else
 
@@ -83,12 +91,13 @@ class BlockManager:
         return -(-positions // self.block_tokens)
 
     # -- the prefix cache -------------------------------------------------------------------
-    def _walk(self, tokens: Sequence[int]) -> list[tuple[Key, int]]:
-        """(key, block) of the leading whole blocks of ``tokens`` found in the cache, before its last token."""
+    def _walk(self, tokens: Sequence[int], salt: str = "") -> list[tuple[Key, int]]:
+        """(key, block) of the leading whole blocks of ``tokens`` found in the cache under ``salt``, before its last
+        token."""
         found: list[tuple[Key, int]] = []
         if not self.prefix_cache:
             return found
-        parent: Key | None = None
+        parent: Parent = salt or None
         b = self.block_tokens
         for i in range((len(tokens) - 1) // b):
             piece = tuple(tokens[i * b:(i + 1) * b])
@@ -100,19 +109,20 @@ class BlockManager:
             parent = key
         return found
 
-    def match(self, tokens: Sequence[int]) -> int:
-        """Tokens at the start of ``tokens`` whose KV the cache already holds (whole blocks)."""
-        return len(self._walk(tokens)) * self.block_tokens
+    def match(self, tokens: Sequence[int], salt: str = "") -> int:
+        """Tokens at the start of ``tokens`` whose KV the cache already holds under ``salt`` (whole blocks)."""
+        return len(self._walk(tokens, salt)) * self.block_tokens
 
-    def cost(self, tokens: Sequence[int], positions: int, without: Collection[int] = ()) -> int:
+    def cost(self, tokens: Sequence[int], positions: int, without: Collection[int] = (), salt: str = "") -> int:
         """Blocks taken from ``available`` by a new table for ``tokens`` that covers ``positions``.
 
         A hit on a block another table holds costs nothing; a hit on a cached block costs
         one (it stops being evictable); every other block is new. ``without``: as if these
-        owners' tables were released first (a preemption planned, not yet made).
+        owners' tables were released first (a preemption planned, not yet made). Only hits under
+        ``salt`` count.
         """
         dropped = self._dropped(without)
-        shared = sum(1 for _, block in self._walk(tokens) if self.refs[block] > dropped[block])
+        shared = sum(1 for _, block in self._walk(tokens, salt) if self.refs[block] > dropped[block])
         return self.blocks_for(positions) - shared
 
     def freed_by(self, owners: Collection[int]) -> int:
@@ -124,22 +134,24 @@ class BlockManager:
         return Counter(block for owner in owners for block in self.tables.get(owner, ()))
 
     # -- a table's life ---------------------------------------------------------------------
-    def start(self, owner: int, tokens: Sequence[int]) -> int:
-        """A new table for ``owner``, holding the cached blocks its ``tokens`` begin with; returns their tokens."""
+    def start(self, owner: int, tokens: Sequence[int], salt: str = "") -> int:
+        """A new table for ``owner``, holding the cached blocks its ``tokens`` begin with under ``salt`` (the root of
+        every key it registers); returns their tokens."""
         if owner in self.tables:
             raise ValueError(f"owner {owner} already has a block table")
-        hits = self._walk(tokens)
+        hits = self._walk(tokens, salt)
         for _, block in hits:
             if not self.refs[block]:
                 del self._cached[block]
             self.refs[block] += 1
         self.tables[owner] = [block for _, block in hits]
         self._keys[owner] = [key for key, _ in hits]
+        self._roots[owner] = salt or None
         return len(hits) * self.block_tokens
 
     def fork(self, owner: int, parent: int, positions: int) -> int:
         """A new table for ``owner`` holding ``parent``'s whole blocks among its first ``positions`` positions
-        (their KV computed: the caller's word); returns their tokens."""
+        (their KV computed: the caller's word), under ``parent``'s salt; returns their tokens."""
         if owner in self.tables:
             raise ValueError(f"owner {owner} already has a block table")
         shared = self.tables[parent][:positions // self.block_tokens]
@@ -148,6 +160,7 @@ class BlockManager:
         self._forked.update(shared)
         self.tables[owner] = list(shared)
         self._keys[owner] = self._keys[parent][:len(shared)]
+        self._roots[owner] = self._roots[parent]
         return len(shared) * self.block_tokens
 
     def grow(self, owner: int, positions: int) -> bool:
@@ -177,7 +190,7 @@ class BlockManager:
         keys, table, b = self._keys[owner], self.tables[owner], self.block_tokens
         for i in range(len(keys), min(positions // b, len(table))):
             piece = tuple(tokens[i * b:(i + 1) * b])
-            parent = keys[-1] if keys else None
+            parent = keys[-1] if keys else self._roots[owner]
             key = hash((parent, piece))
             keys.append(key)
             block = table[i]
@@ -189,6 +202,7 @@ class BlockManager:
         """Drop ``owner``'s table (finished, failed, left or preempted); unknown owners are ignored."""
         table = self.tables.pop(owner, None)
         self._keys.pop(owner, None)
+        self._roots.pop(owner, None)
         for block in reversed(table or []):  # tail first: it is evicted before the head
             self.refs[block] -= 1
             if self.refs[block] == 0:

@@ -95,12 +95,13 @@ class GenEngine(EngineBase):
 
     def submit(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False, request_id: str = "",
                sampling: Sampling | None = None, stop: Sequence[str] = (), min_tokens: int = 0, priority: int = 0,
-               tenant: str = "", parent: Seq | None = None) -> Seq:
+               tenant: str = "", parent: Seq | None = None, cache_salt: str = "") -> Seq:
         """Queue one sequence. Raises InputRejected (too long), Overloaded, ShuttingDown or WorkerDied.
 
         ``sampling`` None is greedy; ``stop`` strings end it early ("stop"); EOS cannot end it
         before ``min_tokens`` (the model never chooses EOS before then). ``parent``: another
         choice of the same request (n > 1), the first, whose prompt blocks this one may share.
+        ``cache_salt``: only sequences with the same salt share prefix-cache blocks ("": no salt).
         """
         self.check(prompt_ids, max_new_tokens, sampling, stop, min_tokens)
         self.admit_or_refuse(1)
@@ -109,7 +110,7 @@ class GenEngine(EngineBase):
             sampling = replace(sampling or GREEDY, eos_from=len(prompt_ids) + min_tokens)
         seed = hash((tuple(prompt_ids), sampling.seed if sampling else None))  # its EOS stand-in: per request
         request = Request(prompt_ids, max_new_tokens, now, ignore_eos, request_id, sampling, tuple(stop), min_tokens,
-                          priority, tenant, seed)
+                          priority, tenant, seed, cache_salt)
         seq = Seq(next(self._sids), request, asyncio.get_running_loop().create_future(), self.deadline_s(now),
                   parent=parent, output=Detokenizer(self.model.text, stop))
         self.queue.put([seq])

@@ -140,7 +140,7 @@ class RunningSeqs:
     def blocks_needed(self, seqs: Sequence[Seq]) -> int:
         """Blocks these waiting sequences take if admitted now: their context and the token they make next,
         less what a prefix cache shares with the running ones."""
-        return sum(self.blocks.cost(s.context, s.kv_tokens + 1, self._released) for s in seqs)
+        return sum(self.blocks.cost(s.context, s.kv_tokens + 1, self._released, s.cache_salt) for s in seqs)
 
 
 class Scheduler:
@@ -206,14 +206,14 @@ class Scheduler:
 
     def _start(self, seq: Seq) -> tuple[int, bool]:
         """A new block table: (tokens it already holds, whether they are its first choice's). Shared with its first
-        choice (n > 1) when that one holds its computed prompt, else the prefix cache's hits (none for a prompt still
-        to be scored: its every position is computed)."""
+        choice (n > 1) when that one holds its computed prompt, else the prefix cache's hits under its salt (none for a
+        prompt still to be scored: its every position is computed)."""
         parent = seq.parent
         if parent is not None and parent.sid in self.blocks.tables and parent.computed >= len(parent.prompt_ids):
             if seq.wants_prompt_scores:  # (the same prompt: the first choice scored it)
                 seq.prompt_logprobs[:] = parent.prompt_logprobs
             return self.blocks.fork(seq.sid, parent.sid, len(seq.prompt_ids) - 1), True
-        return self.blocks.start(seq.sid, () if seq.wants_prompt_scores else seq.context), False
+        return self.blocks.start(seq.sid, () if seq.wants_prompt_scores else seq.context, seq.cache_salt), False
 
     def _give_blocks(self, seqs: list[Seq], now: float) -> list[Seq]:
         """The admitted get their block tables: shared or cached blocks (``_start``), then blocks for the rest and

@@ -49,6 +49,7 @@ class Request:
     priority: int = 0  # its class: a lower value is served first (and may displace a higher one: scheduling)
     tenant: str = ""  # whose request: fair shares are kept per tenant
     seed: int = 0  # seeds the engine's per-request draws that sampling does not make (the EOS stand-in's)
+    cache_salt: str = ""  # prefix-cache blocks are shared only between requests with the same salt ("": none)
 
 
 def _asked(name: str) -> property:
@@ -96,6 +97,7 @@ class Seq:
     min_tokens = _asked("min_tokens")
     priority = _asked("priority")
     tenant = _asked("tenant")
+    cache_salt = _asked("cache_salt")
 
     @property
     def reserve(self) -> int:

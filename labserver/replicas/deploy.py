@@ -104,7 +104,7 @@ class ReplicaServer:
             seq = engine.submit(job["prompt_ids"], job["max_new_tokens"], ignore_eos=job["ignore_eos"],
                                 request_id=job["request_id"], sampling=sampling, stop=tuple(job["stop"]),
                                 min_tokens=job["min_tokens"], priority=job.get("priority", 0),
-                                tenant=job.get("tenant", ""))
+                                tenant=job.get("tenant", ""), cache_salt=job.get("cache_salt", ""))
         except Exception as e:
             yield Failed(*describe(e)[:2])
             return

@@ -46,11 +46,13 @@ ERRORS: dict[str, type[BaseException]] = {kind: exc for exc, kind, _, _ in ERROR
 
 
 def job_of(seq: Seq) -> dict[str, Any]:
-    """What a replica needs to generate ``seq`` (plain data: it crosses processes); ``prompt`` is for routers."""
+    """What a replica needs to generate ``seq`` (plain data: it crosses processes); ``prompt`` and ``cache_salt``
+    are for routers too."""
     s = seq.sampling
     return {"prompt_ids": seq.prompt_ids, "max_new_tokens": seq.max_new_tokens, "ignore_eos": seq.ignore_eos,
             "request_id": seq.request_id, "stop": list(seq.stop), "min_tokens": seq.min_tokens,
             "sampling": None if s is None else vars(s).copy(), "priority": seq.priority, "tenant": seq.tenant,
+            "cache_salt": seq.cache_salt,  # (the ingress's: a replica shares blocks under it, a router keys on it)
             "prompt": " ".join(map(str, seq.prompt_ids))}  # what a router keys on: the prompt's tokens
 
 

@@ -48,7 +48,8 @@ def route_of(pending: PendingRequest | None) -> Route:
     """What the policy may read: the job the ingress sent (``remote.job_of``), if there is one."""
     job = pending.args[0] if pending is not None and pending.args else None
     if isinstance(job, dict):
-        return Route(prompt=str(job.get("prompt", "")), session=job.get("session"))
+        return Route(prompt=str(job.get("prompt", "")), session=job.get("session"),
+                     salt=str(job.get("cache_salt", "")))
     return Route()
 
 

@@ -20,6 +20,12 @@ live request routers, so what the simulation teaches is what runs.
   ``match_threshold`` of the prompt; else the replica that has been sent the least text, so
   the most cache room); once the loads' spread passes both ``balance_abs`` and
   ``balance_rel`` x the smallest, the least loaded.
+
+The two cache-aware policies key on a request's salt (its ``cache_salt``, or its tenant
+under tenant isolation) with its prefix: a salted key is a keyed hash, the salt the key,
+so equal prompts under two salts are two keys. A replica's cache shares nothing across
+salts, and where a salted request goes says nothing about another salt's prompts (only
+the loads, which every request moves, are common to all). No salt hashes as before.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class Route:
 
     prompt: str = ""
     session: str | None = None  # a conversation's id: its turns share their beginnings
+    salt: str = ""  # its prefix-cache salt: only requests with the same salt share cached blocks ("": none)
 
 
 class Policy:
@@ -122,8 +129,11 @@ class LeastLoaded(Policy):
         return _least(loads, range(len(ids)), self.rng)
 
 
-def _hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+def _hash(text: str, salt: str = "") -> int:
+    """64 bits of BLAKE2b of ``text``; with a salt, keyed by the salt's digest (never equal to an unsalted hash's
+    input, nor to another salt's)."""
+    key = hashlib.blake2b(salt.encode(), digest_size=32).digest() if salt else b""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8, key=key).digest(), "big")
 
 
 def key_of(route: Route, chars: int) -> str:
@@ -148,17 +158,18 @@ class PrefixHash(Policy):
             self._ring = (tuple(ids), sorted((_hash(f"{r}#{p}"), r) for r in ids for p in range(self.points)))
         return self._ring[1]
 
-    def owner(self, key: str, ids: Sequence[str]) -> str:
+    def owner(self, key: str, ids: Sequence[str], salt: str = "") -> str:
         ring = self.ring(ids)
-        at = bisect.bisect(ring, (_hash(key), "")) % len(ring)
+        at = bisect.bisect(ring, (_hash(key, salt), "")) % len(ring)
         return ring[at][1]
 
     def choose(self, route: Route, ids: Sequence[str], loads: Sequence[float]) -> int:
-        return list(ids).index(self.owner(key_of(route, self.chars), ids))
+        return list(ids).index(self.owner(key_of(route, self.chars), ids, route.salt))
 
 
 class PrefixIndex:
-    """Which prompts went to one replica, as hashes of their first 1, 2, 3... blocks of ``block`` characters.
+    """Which prompts went to one replica, as hashes of their first 1, 2, 3... blocks of ``block`` characters
+    (keyed by their salt).
 
     The longest prefix two prompts share, to a block, is the most blocks whose hashes
     match: what a replica's prefix cache would hold of this prompt if it kept everything
@@ -171,8 +182,8 @@ class PrefixIndex:
         self.entries: OrderedDict[int, None] = OrderedDict()
         self.sent_chars = 0
 
-    def keys(self, text: str) -> list[int]:
-        return [_hash(text[:end]) for end in range(self.block, len(text) + 1, self.block)]
+    def keys(self, text: str, salt: str = "") -> list[int]:
+        return [_hash(text[:end], salt) for end in range(self.block, len(text) + 1, self.block)]
 
     def match(self, keys: list[int]) -> int:
         """Blocks of the prompt (given by its ``keys``) already sent here."""
@@ -215,7 +226,7 @@ class PrefixAware(Policy):
             del self.index[gone]
         indexes = [self.index.setdefault(r, PrefixIndex(self.block, self.capacity)) for r in ids]
         text = route.prompt  # (a session's turns resend the conversation: its prefix is in the prompt)
-        keys = indexes[0].keys(text)
+        keys = indexes[0].keys(text, route.salt)
         if not self.balanced(loads):
             pick, reason = _least(loads, range(len(ids)), self.rng), "imbalanced: least loaded"
         else:

@@ -28,7 +28,8 @@ from starlette.responses import Response, StreamingResponse
 from .. import wire
 from ..engine import Seq
 from ..models import GenModel
-from .handling import ClientError, FastJSON, answer, check_text, error_body, parse_json, request_class
+from .handling import (ClientError, FastJSON, answer, cache_salt, check_text, error_body, parse_json,
+                       request_class)
 from .runtime import Runtime
 from .streaming import generation_engine, wait_all, wait_first_token, write_stream
 
@@ -129,7 +130,7 @@ async def _generate(rt: Runtime, request: Request, body: bytes, rid: str, t0: fl
     prompt_ids = rt.model.encode(params.prompt)  # type: ignore[union-attr]  # InputRejected: 400
     priority, tenant = request_class(request)
     seq = engine.submit(prompt_ids, params.max_new_tokens, ignore_eos=params.ignore_eos, request_id=rid,
-                        priority=priority, tenant=tenant)
+                        priority=priority, tenant=tenant, cache_salt=cache_salt(rt.config.cache_isolation, tenant))
     await wait_first_token(rt, request, seq, t0)
     headers = {wire.HEADER_REQUEST_ID: rid, wire.HEADER_QUEUE_MS: f"{(seq.admitted_s - seq.enqueued_s) * 1000:.3f}"}
     if seq.replica:

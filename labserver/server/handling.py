@@ -7,6 +7,8 @@
   used by ``answer`` and by a stream that fails after its first token, so a failure
   reads the same on every route. Tracebacks go to the log, and to the client only when
   the server runs with ``debug``.
+- ``request_class``, ``cache_salt``: who is asking (a priority class and a tenant), and
+  whose prefix-cache blocks its request may share.
 - ``ClientWatch``: wait for what a handler waits for (futures, the next token), the client
   leaving, or the deadline, whichever comes first.
 - ``read_body``, ``decode_text``, ``check_text``, ``parse_json``: request decoding with
@@ -35,9 +37,9 @@ from .runtime import Runtime
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ClientError", "ClientGone", "ClientWatch", "FastJSON", "answer", "check_text", "client_gone",
-           "decode_text", "describe", "error_body", "error_response", "parse_json", "read_body", "refusal_headers",
-           "request_class"]
+__all__ = ["ClientError", "ClientGone", "ClientWatch", "FastJSON", "answer", "cache_salt", "check_text",
+           "client_gone", "decode_text", "describe", "error_body", "error_response", "parse_json", "read_body",
+           "refusal_headers", "request_class"]
 
 
 class ClientError(Exception):
@@ -192,6 +194,21 @@ def request_class(request: Request, priority: Any = None) -> tuple[int, str]:
         raise ClientError("bad_request", f"{wire.HEADER_TENANT} must be printable, at most {MAX_TENANT_CHARS} "
                                          "characters")
     return int(priority or 0), tenant
+
+
+def cache_salt(isolation: str, tenant: str, salt: str | None = None) -> str:
+    """The salt a request's prefix-cache blocks are keyed under (``BlockManager``): only requests with the same
+    salt share blocks, and "" is no salt.
+
+    ``isolation`` "none": the request's own ``cache_salt`` (vLLM's field), if it sent one.
+    "tenant": its tenant and its ``cache_salt`` together, so no salt a client sends reaches
+    another tenant's blocks; a request with neither shares the unnamed tenant's cache.
+    """
+    if isolation != "tenant":
+        return salt or ""
+    if not tenant and salt is None:
+        return ""
+    return f"tenant:{len(tenant)}:{tenant}:{'' if salt is None else f'salt:{salt}'}"
 
 
 # -- waiting: for the answer, the client, or the deadline ------------------------------------

@@ -35,7 +35,7 @@ from starlette.responses import Response, StreamingResponse
 from ... import wire
 from ...engine import Seq
 from ...models import GenModel, Sampling
-from ..handling import FastJSON, answer, request_class
+from ..handling import FastJSON, answer, cache_salt, request_class
 from ..runtime import Runtime
 from ..streaming import generation_engine, wait_all, wait_first_token, write_stream
 from .catalog import check_model, served_name
@@ -198,6 +198,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
     check_model(rt, req.model)
     prompts = [model.encode(p) for p in req.prompts]  # InputRejected: 400
     priority, tenant = request_class(request, req.priority)
+    salt = cache_salt(cfg.cache_isolation, tenant, req.cache_salt)
     seqs: list[Seq] = []  # choice i is seqs[i]: prompt by prompt, n choices each
     texts: list[str] = []  # the prompt each choice echoes
     try:
@@ -208,7 +209,8 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
             for j in range(req.n):
                 seq = engine.submit(ids, limit, ignore_eos=req.ignore_eos, request_id=rid,
                                     sampling=choice_sampling(req.sampling, j), stop=req.stop,
-                                    min_tokens=req.min_tokens, priority=priority, tenant=tenant, parent=first)
+                                    min_tokens=req.min_tokens, priority=priority, tenant=tenant, parent=first,
+                                    cache_salt=salt)
                 first = first or seq
                 seqs.append(seq)
                 texts.append(text)

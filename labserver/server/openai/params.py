@@ -10,7 +10,8 @@ server may not use, and break on a server that rejects them):
   ``best_of`` equal to ``n``, ``logprobs`` (completions: 0 to 5 alternatives; chat:
   true, with ``top_logprobs`` 0 to 20), ``echo`` (completions: the prompt before the
   answer; with ``logprobs``, the prompt's log-probabilities too), and vLLM's
-  ``ignore_eos`` and ``min_tokens``;
+  ``ignore_eos``, ``min_tokens`` and ``cache_salt`` (a non-empty string of at most
+  ``MAX_CACHE_SALT_CHARS``: only requests with the same salt share prefix-cache blocks);
 - refused with a 400 that says why: a value that asks for what this server cannot do
   (``best_of`` other than ``n``, ``suffix``, ``logit_bias``, tools, a structured
   ``response_format``, token-id prompts, images);
@@ -45,19 +46,22 @@ from ..handling import ClientError, check_text, parse_json
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHAT_TEMPLATE", "COMPLETION_DEFAULT_MAX_TOKENS", "MAX_FIELD_CHARS", "MAX_STOP_CHARS", "MIN_TEMPERATURE",
-           "GenRequest", "check_field_names", "ignored_header", "parse_request", "render_chat"]
+__all__ = ["CHAT_TEMPLATE", "COMPLETION_DEFAULT_MAX_TOKENS", "MAX_CACHE_SALT_CHARS", "MAX_FIELD_CHARS",
+           "MAX_STOP_CHARS", "MIN_TEMPERATURE", "GenRequest", "check_field_names", "ignored_header", "parse_request",
+           "render_chat"]
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_TEMPLATE = "{role}: {content}\n"  # per message; the prompt then ends with "assistant:"
 MAX_STOPS = 16
 MAX_STOP_CHARS = 512  # characters per stop string
 MAX_FIELD_CHARS = 256  # characters per field name
+MAX_CACHE_SALT_CHARS = 256  # characters of a cache_salt
 MIN_TEMPERATURE = 0.01  # a smaller positive temperature is raised to this (vLLM's clamp)
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for /v1/completions' "logprobs" (chat's "top_logprobs": MAX_LOGPROBS)
 
 _COMMON = {"model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "n",
-           "ignore_eos", "min_tokens", "priority", "logprobs", "logit_bias", "best_of", "response_format"}
+           "ignore_eos", "min_tokens", "priority", "cache_salt", "logprobs", "logit_bias", "best_of",
+           "response_format"}
 _USED = {False: _COMMON | {"prompt", "echo", "suffix"},
          True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                           "function_call"}}
@@ -82,6 +86,7 @@ class GenRequest:
     ignore_eos: bool = False
     min_tokens: int = 0
     priority: int | None = None  # vLLM's: a lower value is served first (None: the x-priority header, or 0)
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only under the same salt (None: none)
     ignored: list[str] = field(default_factory=list)  # fields accepted but not used
 
 
@@ -144,6 +149,7 @@ def parse_request(body: bytes, *, chat: bool, max_chars: int, max_tokens_cap: in
     req.ignore_eos = bool(_typed(doc, "ignore_eos", bool, "true or false"))
     req.min_tokens = _typed(doc, "min_tokens", int, "an integer") or 0
     req.priority = _typed(doc, "priority", int, "an integer (lower is served first)")
+    req.cache_salt = _cache_salt(doc)
     if req.min_tokens < 0 or (limit is not None and req.min_tokens > limit):
         raise _refuse(f'"min_tokens" must be between 0 and {name} ({limit}), got {req.min_tokens}', "min_tokens")
     req.ignored = sorted(set(doc) - _USED[chat]) + req.ignored
@@ -216,6 +222,14 @@ def _logprobs(doc: dict[str, Any], chat: bool) -> int | None:
     if top and not wanted:
         raise _refuse('"top_logprobs" needs "logprobs": true', "top_logprobs")
     return (top or 0) if wanted else None
+
+
+def _cache_salt(doc: dict[str, Any]) -> str | None:
+    salt = _typed(doc, "cache_salt", str, "a non-empty string")
+    if salt is not None and not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise _refuse(f'"cache_salt" must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, got '
+                      f"{len(salt)}", "cache_salt")
+    return salt  # type: ignore[no-any-return]
 
 
 def _prompts(prompt: Any, max_prompts: int) -> list[str]:
