@@ -161,6 +161,33 @@ def unread_runs(nb: nbformat.NotebookNode) -> list[int]:
     return unread + ([] if pending is None else [pending])
 
 
+READ_FROM_RUN = re.compile(r" — read from this run: .*\d")
+
+
+def unread_failures(lines: list[str]) -> list[str]:
+    """Printed claims that do not hold and say why only in general, with no figure of their run."""
+    return [line for line in lines if line.startswith("✘ DOES NOT HOLD") and not READ_FROM_RUN.search(line)]
+
+
+def test_a_failing_claim_reads_its_run_and_a_moved_baseline_is_no_finding(capsys: pytest.CaptureFixture) -> None:
+    from labserver import lab
+    from labserver.lab import claims
+
+    claims._REFERENCES.clear()
+    stock = lab.compare("a / b", 1.0, 1.0, at_least=1.5, why_it_may_not="a busy machine")
+    read = lab.compare("a / b", 1.0, 1.0, at_least=1.5, why_it_may_not="a busy machine",
+                       reading="both batched 1.0 on average: neither rule had anything to batch")
+    assert unread_failures([str(stock), str(read)]) == [str(stock)]
+    quiet = lab.baseline("server's p50", 60.0)
+    assert not quiet.moved and lab.compare("a / b", 3.0, 1.0, at_least=1.5, baseline=quiet).holds
+    busy = lab.baseline("server's p50", 3524.0)
+    finding = lab.compare("a / b", 3.0, 1.0, at_least=1.5, baseline=busy)
+    assert busy.moved and not finding.holds and not unread_failures([str(finding)])
+    assert "3.52e+03 here against 60 earlier in this notebook" in str(finding)
+    committed = lab.baseline("tokens/s", 30.0, reference=35.9, where="in results/crosscheck/cpu.txt")
+    assert not committed.moved and "in results/crosscheck/cpu.txt" in capsys.readouterr().out
+
+
 def test_the_rules_catch_what_they_are_for() -> None:
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell("runs = lab.serve_and_load(...)"),

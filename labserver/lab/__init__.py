@@ -40,14 +40,16 @@ from ..experiments.simulated import A100_BERT_BASE_MS, cost_from_table, md1_repl
 from ..load.prompts import masked_texts
 from ..models.base import device_label
 from .mode import QUICK_ENV, pick, quick_mode
-from .claims import NOISE, Claim, claim, compare, pct, saturated, say, spread, versus
+from .claims import NOISE, Baseline, Claim, baseline, claim, compare, pct, saturated, say, spread, versus
 
 __all__ = [
     "MIN_P99_SAMPLES",
     "PaddedCost",
     "QUICK_ENV",
+    "Baseline",
     "Claim",
     "Runs",
+    "baseline",
     "brief",
     "claim",
     "compare",

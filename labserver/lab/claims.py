@@ -2,7 +2,11 @@
 
 ``claim`` (any check), ``compare`` (a ratio, with its effect size and margin against the run's
 noise), ``saturated`` (whether a throughput can be compared at all), ``versus`` and ``say`` (a
-reading of a run written by code from its numbers), ``spread`` (a run's own noise).
+reading of a run written by code from its numbers), ``spread`` (a run's own noise),
+``baseline`` (whether the machine a comparison ran on was the machine its reference ran on).
+
+A claim that does not hold says why in the run's own numbers (``reading=``: its line ends
+``— read from this run: ...``), not only what could in general make it fail.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import numpy as np
 
 from .mode import quick_mode
 
-__all__ = ["NOISE", "Claim", "claim", "compare", "pct", "saturated", "say", "spread", "versus"]
+__all__ = ["NOISE", "Baseline", "Claim", "baseline", "claim", "compare", "pct", "saturated", "say", "spread",
+           "versus"]
 
 
 
@@ -29,11 +34,15 @@ class Claim:
     holds: bool  # whether the numbers just measured bear it out
     evidence: str  # the numbers, as measured
     why_it_may_not: str = ""  # what can make it fail here (small samples, a busy machine, ...)
+    reading: str = ""  # why it failed in this run, from this run's numbers
 
     def __str__(self) -> str:
         if self.holds:
             return f"✔ holds here: {self.statement} ({self.evidence})"
-        why = f" — why it may not: {self.why_it_may_not}" if self.why_it_may_not else ""
+        if self.reading:
+            why = f" — read from this run: {self.reading}"
+        else:
+            why = f" — why it may not: {self.why_it_may_not}" if self.why_it_may_not else ""
         return f"✘ DOES NOT HOLD here: {self.statement} ({self.evidence}){why}"
 
     def _ipython_display_(self) -> None:
@@ -41,7 +50,8 @@ class Claim:
 
 
 def claim(statement: str, holds: bool, evidence: str, why_it_may_not: str = "", *,
-          margin: float | None = None, noise: float | None = None) -> Claim:
+          margin: float | None = None, noise: float | None = None, reading: str = "",
+          baseline: Baseline | None = None) -> Claim:
     """State a claim, check it against numbers just measured, and print it with them.
 
     ``claim("continuous's p99 TTFT is under half of static's", ratio <= 0.5, f"{c:.0f} vs {s:.0f} ms")``
@@ -55,11 +65,20 @@ def claim(statement: str, holds: bool, evidence: str, why_it_may_not: str = "", 
     run's own relative spread, ``spread``) make the claim able to fail honestly: a margin
     smaller than the noise could pass or fail by chance, so such a claim is flagged as not
     holding, whatever the numbers say. ``compare`` fills both in for a ratio.
+
+    ``reading`` is why it failed, read from this run's numbers ("thread's batches were already
+    full: 63 of 64 requests rode one of 63"); a failing claim prints it in place of the general
+    ``why_it_may_not``. ``baseline`` (from ``baseline``) is the reading the claim's numbers
+    rest on: if it moved from its reference (a busier machine), the claim does not pass as a
+    finding, and says so with both readings.
     """
     if margin is not None and noise is not None and abs(margin) < noise:
         evidence += f"; its margin {pct(margin)} is below this run's noise {pct(noise)}"
         holds, why_it_may_not = False, "a margin inside the noise cannot tell: claim a larger effect or measure more"
-    result = Claim(statement, bool(holds), evidence, why_it_may_not)
+        reading = ""
+    if baseline is not None and baseline.moved:
+        holds, reading = False, f"{baseline}; a comparison on a moved baseline is not a finding: run it again"
+    result = Claim(statement, bool(holds), evidence, why_it_may_not, reading)
     text = str(result) + (" [quick mode: small samples]" if quick_mode() else "")
     print(text, file=sys.stdout if result.holds else sys.stderr)
     return result
@@ -90,7 +109,7 @@ def spread(values: Sequence[float]) -> float:
 
 def compare(what: str, a: float, b: float, *, at_least: float | None = None, at_most: float | None = None,
             within: float | None = None, noise: float = NOISE, unit: str = "", saturated: bool | None = None,
-            why_it_may_not: str = "") -> Claim:
+            why_it_may_not: str = "", reading: str = "", baseline: Baseline | None = None) -> Claim:
     """A claim about the ratio ``a / b``, with its effect size and margin in the sentence.
 
     ``what`` names the ratio ("continuous / static tokens/s, saturated"); exactly one of
@@ -123,7 +142,8 @@ def compare(what: str, a: float, b: float, *, at_least: float | None = None, at_
         holds, why_it_may_not = False, "compare throughput only where both runs were saturated"
     if abs(margin) >= noise:
         evidence += f"; margin {pct(margin)}, noise {pct(noise)}"
-    return claim(statement, holds, evidence, why_it_may_not, margin=margin, noise=noise)
+    return claim(statement, holds, evidence, why_it_may_not, margin=margin, noise=noise, reading=reading,
+                 baseline=baseline)
 
 
 def saturated(offered: float, achieved: float, *, backlog: float = 0.0, share: float = 0.9) -> bool:
@@ -167,3 +187,55 @@ def say(text: str) -> None:
         display(Markdown(text))
 
 
+
+
+_REFERENCES: dict[str, float] = {}  # baseline name -> its first reading in this kernel
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """One reading of a quantity a comparison rests on, beside its reference."""
+
+    name: str  # "labserver's TTFT p50, 1 request/s": the same quantity each time it is read
+    value: float
+    reference: float  # the first reading in this notebook, or a committed figure
+    where: str  # where the reference comes from
+    tolerance: float
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.reference if self.reference else math.inf
+
+    @property
+    def moved(self) -> bool:
+        return abs(self.ratio - 1.0) > self.tolerance
+
+    def __str__(self) -> str:
+        state = "moved" if self.moved else "held"
+        return (f"the baseline {state}: {self.name} read {self.value:.3g} here against {self.reference:.3g} "
+                f"{self.where} ({self.ratio:.2f}x, tolerance {pct(self.tolerance)})")
+
+
+def baseline(name: str, value: float, *, reference: float | None = None, where: str = "",
+             tolerance: float = 0.25) -> Baseline:
+    """Read a baseline and hold it against its reference: is this still the machine it was?
+
+    A comparison between two servers is only as good as the machine under both. Read the
+    same quantity (one server's median at one load) where the notebook first measures it and
+    again beside the comparison that rests on it; ``claim(..., baseline=b)`` then refuses to
+    pass a finding whose baseline moved by more than ``tolerance``. Without ``reference`` the
+    first reading of ``name`` in this kernel is the reference (and holds by definition); with
+    it (a committed benchmark's figure), that figure is, and ``where`` says where it is from.
+
+    >>> _REFERENCES.clear()
+    >>> b = baseline("x's p50", 60.0)
+    the baseline held: x's p50 read 60 here against 60 earlier in this notebook (1.00x, tolerance 25 %)
+    >>> baseline("x's p50", 3500.0).moved  # (and says so, on stderr)
+    True
+    """
+    if reference is None:
+        reference = _REFERENCES.setdefault(name, value)
+        where = where or "earlier in this notebook"
+    b = Baseline(name, float(value), float(reference), where or "at its reference", tolerance)
+    print(b, file=sys.stderr if b.moved else sys.stdout)
+    return b
