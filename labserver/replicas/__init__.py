@@ -8,14 +8,15 @@
 ``labserver serve --replicas N --router NAME [--ray-address ADDR]`` does the same from the
 shell. Without an address a local Ray instance is started (``num_cpus`` logical CPUs) and
 stopped with the handle; with one, or when this process already runs Ray, the app joins it
-and only the app is removed at the end, never Ray.
-
-A local Ray started for a loopback ``host`` listens on loopback only (``local_ray``): its GCS,
-raylet, agents, workers and metrics exporter are reachable by nothing but this machine, as
-labserver's own port is. Stopping drains first, as one server does: the ingress stops taking
-requests (503 ``shutting_down``), finishes what it holds for up to ``drain_grace_s``, and ends
-the streams still open with a ``shutting_down`` event, before Serve removes the app. Routers: ``labserver.replicas.routers`` (Ray request
+and only the app is removed at the end, never Ray. Routers: ``labserver.replicas.routers`` (Ray request
 routers over ``labserver.routing``'s policies); ``docs/replicas.md`` has the lessons.
+
+A local Ray started for a loopback ``host`` listens on loopback (``local_ray``): its GCS, raylet,
+agents, workers and metrics exporter are reachable from this machine only, as labserver's own
+port is (docs/security.md names the one socket Serve opens on every interface regardless).
+Stopping drains first, as one server does: the ingress refuses new requests (503
+``shutting_down``), finishes what it holds for up to ``drain_grace_s``, and ends the streams
+still open with a ``shutting_down`` event, before Serve removes the app.
 Ray is an optional extra (``pip install 'labserver[ray]'``; ``make`` installs it).
 """
 
