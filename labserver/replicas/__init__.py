@@ -17,6 +17,7 @@ port is (docs/security.md names the one socket Serve opens on every interface re
 Stopping drains first, as one server does: the ingress refuses new requests (503
 ``shutting_down``), finishes what it holds for up to ``drain_grace_s``, and ends the streams
 still open with a ``shutting_down`` event, before Serve removes the app.
+
 Ray is an optional extra (``pip install 'labserver[ray]'``; ``make`` installs it).
 """
 
