@@ -198,9 +198,7 @@ def _prepare(strategy: str, model: str | Model | GenModel | None, host: str, por
     model = default_model(strategy) if model is None else model  # the default of the strategy's kind
     obj = None if isinstance(model, str) else model
     spec = model if isinstance(model, str) else getattr(model, "name", type(model).__name__)
-    config = ServerConfig.build(strategy=strategy, model=spec, host=host, port=port, **options)
-    config.warn_if_exposed()
-    return config, obj
+    return ServerConfig.build(strategy=strategy, model=spec, host=host, port=port, **options), obj
 
 
 def serve(
@@ -236,8 +234,9 @@ def serve(
     """
     config, obj = _prepare(strategy, model, host, port, options)
     release_openmp_threads()  # this thread's OpenMP workers would slow the model thread's (models.base)
-    if replicas is not None:
+    if replicas is not None:  # (serve_replicas warns as run_forever does)
         return _serve_replicas(config, obj, replicas, router, ray_address, attach, timeout_s, replica_models)
+    config.warn_if_exposed()
     sock = bind_socket(config.host, config.port)
     server = build_server(config, obj)
     handle = ServerHandle(server, sock, config)

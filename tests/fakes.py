@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import threading
 from typing import Any
 
@@ -217,3 +219,58 @@ def remote_answer(model: Any, handle: Any, prompt_ids: list[int], n: int, sampli
             await ingress.stop()
 
     return asyncio.run(run())
+
+
+def sse_events(text: str) -> list[tuple[str, Any]]:
+    """A server-sent event stream's (event, data) pairs, data parsed (``[DONE]`` kept as it is)."""
+    events, kind = [], "message"
+    for line in text.splitlines():
+        if line.startswith("event: "):
+            kind = line[7:]
+        elif line.startswith("data: "):
+            data = line[6:]
+            events.append((kind, data if data == "[DONE]" else json.loads(data)))
+            kind = "message"
+    return events
+
+
+def listeners(pid: int) -> list[tuple[str, int, str, int]]:
+    """(address, port, process name, pid) of every TCP socket listening in process ``pid`` and its descendants."""
+    import psutil
+
+    root = psutil.Process(pid)
+    found = []
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            name = proc.name()
+            found += [(c.laddr.ip, c.laddr.port, name, proc.pid) for c in proc.net_connections(kind="tcp")
+                      if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:  # (a worker that ended while the tree was read)
+            continue
+    return found
+
+
+def exposed(found: list[tuple[str, int, str, int]]) -> list[tuple[str, int, str, int]]:
+    """The listeners not on loopback, less the one a Ray Serve replica opens on every interface.
+
+    Ray Serve 2.60 binds each replica's inter-deployment gRPC server to ``[::]:0`` with no setting
+    (``ray/serve/_private/replica.py``, ``_on_initialized``); Ray's token authentication guards it
+    (docs/security.md names it). One such socket per replica process is allowed, no more.
+    """
+    outside = [f for f in found if not is_loopback(f[0])]
+    serve_replicas = [f for f in outside if f[2].startswith(SERVE_REPLICA) and f[0] in ("::", "0.0.0.0")]
+    once = {f[3]: f for f in serve_replicas}  # one per replica process
+    if len(once) == len(serve_replicas):
+        outside = [f for f in outside if f not in serve_replicas]
+    return outside
+
+
+SERVE_REPLICA = "ray::ServeReplica:"  # the process title of a Ray Serve replica's actor
+
+
+def is_loopback(ip: str) -> bool:
+    """127.0.0.0/8, ::1, or an IPv4 loopback address mapped into IPv6 (``::ffff:127.0.0.1``, as gRPC binds)."""
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback

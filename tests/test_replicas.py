@@ -1,12 +1,14 @@
 """Replicas on a real Ray Serve (a local instance, 2 replicas on 2 cores): one URL, routed, named, stopped.
 
-One deployment serves the whole module (Ray and Serve take ~10 s to start); the last test
-kills a replica's actor and must come last among those that count on both replicas.
+One deployment serves the whole module (Ray and Serve take ~10 s to start); the last two tests
+kill replicas' actors and must come last among those that count on both replicas.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +22,8 @@ ray = pytest.importorskip("ray")
 import labserver  # noqa: E402
 from labserver import wire  # noqa: E402
 from labserver.replicas import ReplicasHandle  # noqa: E402
+
+from .fakes import exposed, listeners, sse_events  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::FutureWarning")  # Ray's own
 
@@ -37,16 +41,27 @@ def cluster() -> Iterator[ReplicasHandle]:
     assert not ray.is_initialized()  # the Ray it started is stopped with it
 
 
-def sse_events(text: str) -> list[tuple[str, Any]]:
-    events, kind = [], "message"
-    for line in text.splitlines():
-        if line.startswith("event: "):
-            kind = line[7:]
-        elif line.startswith("data: "):
-            data = line[6:]
-            events.append((kind, data if data == "[DONE]" else json.loads(data)))
-            kind = "message"
-    return events
+def test_replicas_on_an_exposed_host_without_a_key_warn_before_anything_starts(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from labserver.config import API_KEY_ENV, ServerConfig
+    from labserver.replicas import serve_replicas
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    config = ServerConfig(strategy="gen-continuous", model=MODEL, host="0.0.0.0")
+    with caplog.at_level(logging.WARNING), pytest.raises(ValueError, match="unknown router"):
+        serve_replicas(config, 2, "no-such-router")  # (refused before Ray starts: the warning came first)
+    assert "binding 0.0.0.0 with no API key" in caplog.text
+    assert not ray.is_initialized()
+
+
+def test_ray_and_serve_listen_on_loopback_only(cluster: ReplicasHandle) -> None:
+    """Every listening socket of this process and its descendants (Ray's GCS, raylet, agents, workers, metrics
+    exporter, Serve's proxy): a loopback address, as the server's own host is, but the one Ray offers no setting
+    for (``fakes.exposed``: each Serve replica's inter-deployment gRPC server)."""
+    found = listeners(os.getpid())
+    port = int(cluster.url.rsplit(":", 1)[1])
+    assert port in {f[1] for f in found} and len(found) > 10, found  # Serve's proxy, and Ray's own
+    assert exposed(found) == [], found
 
 
 def test_generate_streams_through_the_ingress_and_names_its_replica(cluster: ReplicasHandle) -> None:
@@ -181,6 +196,43 @@ def test_a_killed_replica_fails_its_requests_clearly_and_is_replaced(cluster: Re
         names.add(r.headers[wire.HEADER_REPLICA])
         time.sleep(0.1)
     assert len(names - {victim}) == 2  # two live replicas again, the killed one not among them
+
+
+def test_requests_whose_replica_dies_are_told_to_retry(cluster: ReplicasHandle) -> None:
+    """A /generate and a /v1 request out with replicas, every replica killed: 503 with Retry-After, each in its
+    route's error shape (not "restart the server": the ingress and Ray's replacements still serve)."""
+    answers: dict[str, httpx.Response] = {}
+
+    def post(path: str, body: dict[str, Any]) -> None:
+        answers[path] = httpx.post(cluster.url + path, json=body, timeout=120)
+
+    calls = [(wire.GENERATE_PATH, {"prompt": "doomed", "max_new_tokens": 250}),
+             (wire.V1_COMPLETIONS_PATH, {"model": MODEL, "prompt": "doomed too", "max_tokens": 250})]
+    threads = [threading.Thread(target=post, args=call) for call in calls]
+    for t in threads:
+        t.start()
+    victims = [a for a in ray.util.list_named_actors(all_namespaces=True) if "ReplicaServer" in a["name"]]
+    assert len(victims) == 2, victims
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # both generating on a live replica (a dead one's report lingers 5 s)
+        stats = replica_stats(cluster)
+        if sum(s["running"] for r, s in stats.items() if any(r in a["name"] for a in victims)) == 2:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the two requests never ran: {replica_stats(cluster)}")
+    for actor in victims:
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    for t in threads:
+        t.join(120)
+    native, openai = answers[wire.GENERATE_PATH], answers[wire.V1_COMPLETIONS_PATH]
+    for r in (native, openai):
+        assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+        assert "Traceback" not in r.text and "restart" not in r.text
+    assert native.json()["error"]["type"] == "model_unavailable" and "retry" in native.json()["error"]["message"]
+    error = openai.json()["error"]
+    assert error["type"] == "service_unavailable_error" and error["code"] == "model_unavailable"
+    assert set(error) == {"message", "type", "param", "code"} and "retry" in error["message"]
 
 
 def test_the_ray_extra_pulls_no_cuda_and_keeps_the_cpu_torch() -> None:

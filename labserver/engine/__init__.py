@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..strategies import GenHFContinuous, GenStrategy, Strategy
-from .base import EngineBase, Expired, Overloaded, ShuttingDown, WorkerDied
+from .base import EngineBase, Expired, Overloaded, ReplicaLost, ShuttingDown, WorkerDied
 from .batch import BatchEngine, BatchRecord, Item
 from .genbase import GenEngine
 from .hfcb import HFEngine
@@ -35,7 +35,7 @@ from .sequence import Seq
 from .step import StepEngine
 
 __all__ = ["ENGINES", "BatchEngine", "BatchRecord", "EngineBase", "Expired", "GenEngine", "HFEngine", "Item", "Overloaded",
-           "Scheduler", "Seq", "ShuttingDown", "StepEngine", "StepRecord", "WorkerDied", "make_engine"]
+           "ReplicaLost", "Scheduler", "Seq", "ShuttingDown", "StepEngine", "StepRecord", "WorkerDied", "make_engine"]
 
 # strategy class -> the engine its rules run on; a subclass runs on its nearest base's engine
 ENGINES: dict[type[Strategy], type[EngineBase]] = {

@@ -39,7 +39,8 @@ from .modelthread import ModelThread, WorkerDied, settle
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Counters", "EngineBase", "Expired", "ItemQueue", "Overloaded", "Refusal", "ShuttingDown", "WorkerDied"]
+__all__ = ["Counters", "EngineBase", "Expired", "ItemQueue", "Overloaded", "Refusal", "ReplicaLost", "ShuttingDown",
+           "WorkerDied"]
 
 
 class Refusal(Exception):
@@ -70,6 +71,11 @@ class ShuttingDown(Refusal):
     """The server is stopping and this request was not (fully) computed (503)."""
 
     reason = "shutting-down"
+
+
+class ReplicaLost(WorkerDied):
+    """Behind a router: the replica generating this request is gone, the others are not (503, Retry-After: another
+    replica, or Ray's replacement, takes the retry)."""
 
 
 class Waiter(Protocol):

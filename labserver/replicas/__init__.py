@@ -10,19 +10,30 @@ shell. Without an address a local Ray instance is started (``num_cpus`` logical 
 stopped with the handle; with one, or when this process already runs Ray, the app joins it
 and only the app is removed at the end, never Ray. Routers: ``labserver.replicas.routers`` (Ray request
 routers over ``labserver.routing``'s policies); ``docs/replicas.md`` has the lessons.
+
+A local Ray started for a loopback ``host`` listens on loopback (``local_ray``): its GCS, raylet,
+agents, workers and metrics exporter are reachable from this machine only, as labserver's own
+port is (docs/security.md names the one socket Serve opens on every interface regardless).
+Stopping drains first, as one server does: the ingress refuses new requests (503
+``shutting_down``), finishes what it holds for up to ``drain_grace_s``, and ends the streams
+still open with a ``shutting_down`` event, before Serve removes the app.
+
 Ray is an optional extra (``pip install 'labserver[ray]'``; ``make`` installs it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 
 from ..config import ServerConfig
+from ..server.guard import is_loopback
 
 __all__ = ["APP", "ReplicasHandle", "serve_replicas"]
 
@@ -46,7 +57,8 @@ class ReplicasHandle:
         return httpx.get(self.url + "/stats", timeout=30).json()  # type: ignore[no-any-return]
 
     def stop(self) -> None:
-        """Remove the app; stop Serve and Ray only if this handle started them (never a cluster it joined)."""
+        """Drain the ingress, remove the app; stop Serve and Ray only if this handle started them (never a
+        cluster it joined)."""
         if self.stopped:
             return
         self.stopped = True
@@ -54,12 +66,24 @@ class ReplicasHandle:
         from ray import serve
 
         try:
+            if self.url:
+                self.drain()
             serve.delete(APP)
         finally:
             if self.started_serve:
                 serve.shutdown()
             if self.started_ray:
                 ray.shutdown()
+
+    def drain(self) -> None:
+        """What a single server does before it closes: new requests 503, the rest finished or ended (the module
+        docstring). A drain that fails (the ingress already gone) is logged: removing the app still follows."""
+        from ray import serve
+
+        try:
+            serve.get_app_handle(APP).drain.remote().result(timeout_s=self.config.drain_grace_s + 30)
+        except Exception as e:
+            logger.warning("the ingress did not drain: %s", e)
 
     def __enter__(self) -> ReplicasHandle:
         return self
@@ -94,6 +118,7 @@ def serve_replicas(config: ServerConfig, replicas: int, router: str = "pow2", *,
 
     from ..strategies import GenStrategy, make_strategy
 
+    config.warn_if_exposed()
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
     if not isinstance(make_strategy(config.strategy, config.limits), GenStrategy):
@@ -105,8 +130,9 @@ def serve_replicas(config: ServerConfig, replicas: int, router: str = "pow2", *,
     if ray.is_initialized():  # this process already runs Ray (a notebook, a benchmark): join it, leave it running
         pass
     elif ray_address is None:
-        ray.init(num_cpus=num_cpus or replicas + 1, include_dashboard=False, log_to_driver=False,
-                 logging_level=logging.WARNING, configure_logging=False)
+        with local_ray(config.host) as node:
+            ray.init(num_cpus=num_cpus or replicas + 1, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING, configure_logging=False, _node_ip_address=node)
         started = True
     else:
         ray.init(address=ray_address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False)
@@ -136,6 +162,30 @@ def serve_replicas(config: ServerConfig, replicas: int, router: str = "pow2", *,
     except BaseException:
         ReplicasHandle("", config, replicas, router, started, started_serve).stop()
         raise
+
+
+@contextlib.contextmanager
+def local_ray(host: str) -> Iterator[str | None]:
+    """The node address a local Ray should start with for ``host``: loopback for a loopback host, else Ray's own
+    choice (None: the machine's routable address).
+
+    Ray binds each gRPC server (GCS, raylet, workers, agents, the metrics exporter) to loopback only when its
+    node address is ``127.0.0.1``, but ``ray.init`` turns a loopback ``_node_ip_address`` into the routable
+    one (``services.resolve_ip_for_localhost``) unless ``ray_constants.ENABLE_RAY_CLUSTER`` is off, the
+    switch Ray itself reads (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``) to keep a laptop's Ray on loopback. It
+    is off for the length of this block only; Ray's token authentication is untouched.
+    """
+    if not is_loopback(host):
+        yield None
+        return
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield "127.0.0.1"
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 def serving_address(config: ServerConfig) -> tuple[str, int]:

@@ -11,6 +11,9 @@ Replicas report their ``/stats`` to a small ``Board`` actor twice a second; the 
 ``/stats`` shows them all under ``replicas`` (id -> queue, running sequences, KV blocks,
 prefix-cache hit rate, ...).
 
+The ingress's ``drain`` is called through a handle before the app is removed, so stopping ends
+every request as a single server's stop does; Serve's own removal would cut the streams.
+
 Imports Ray: only ``labserver.replicas.serve_replicas`` loads this module.
 """
 
@@ -157,7 +160,13 @@ class Ingress:
         def engine(strategy: Any, model: Any) -> RemoteEngine:
             return BoardedEngine(strategy, model, self.replicas, self.max_in_flight, self.board)
 
-        return create_app(self.config, engine_factory=engine)
+        app = create_app(self.config, engine_factory=engine)
+        self.runtime: Runtime = app.state.runtime
+        return app
+
+    async def drain(self) -> None:
+        """Before the app is removed (``ReplicasHandle.stop``): what a single server does before it closes."""
+        await self.runtime.drain()
 
 
 class BoardedEngine(RemoteEngine):

@@ -28,10 +28,9 @@ import math
 from typing import Any
 
 from ..engine import GenEngine
-from ..engine.base import Expired, ShuttingDown
+from ..engine.base import Expired, ReplicaLost, ShuttingDown
 from ..engine.genbase import GenCounters
 from ..engine.output import Done, Failed, Made, Placed
-from ..engine.modelthread import WorkerDied
 from ..engine.sequence import Seq
 from ..models import ModelError
 from ..server.handling import ERROR_TABLE
@@ -99,15 +98,15 @@ class RemoteEngine(GenEngine):
                     case Failed(kind, message):
                         raise ERRORS.get(kind, ModelError)(message)
             if not seq.future.done():  # the stream ended without an ending: the replica is gone
-                raise WorkerDied(REPLICA_LOST)
+                raise ReplicaLost(REPLICA_LOST)
         except asyncio.CancelledError:
             seq.fail(ShuttingDown("server is shutting down; generation stopped"))
             raise
         except tuple(ERRORS.values()) as e:
             seq.fail(e)
-        except Exception as e:  # a replica that died mid-call (Ray's RayActorError and kin): a clear 503
+        except Exception as e:  # a replica that died mid-call (Ray's RayActorError and kin): 503, retry
             logger.warning("request %s: replica %s lost: %s", seq.request_id, seq.replica or "?", e)
-            seq.fail(WorkerDied(REPLICA_LOST))
+            seq.fail(ReplicaLost(REPLICA_LOST))
         finally:
             if seq.future.cancelled() and not seq.finished:
                 self.counters.left_while_generating += 1

@@ -31,7 +31,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from .. import wire
-from ..engine import Expired, Overloaded, ShuttingDown, WorkerDied
+from ..engine import Expired, Overloaded, ReplicaLost, ShuttingDown, WorkerDied
 from ..models import InputRejected, ModelError
 from .runtime import Runtime
 
@@ -67,6 +67,7 @@ ERROR_TABLE: tuple[tuple[type[BaseException], str, str | None, bool], ...] = (
     (Overloaded, "overloaded", None, True),
     (Expired, "timeout", None, False),
     (ShuttingDown, "shutting_down", None, True),
+    (ReplicaLost, "model_unavailable", None, True),  # (before WorkerDied: the others still serve, so retry)
     (WorkerDied, "model_unavailable", WORKER_GONE, False),  # why it died stays in the log: it can name paths
     (ModelError, "model_error", MODEL_FAILED, False),
 )
