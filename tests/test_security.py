@@ -59,6 +59,11 @@ def test_the_load_generator_and_the_cli_pass_the_key(keyed: labserver.ServerHand
     runs = load_rates(keyed, [40], label="keyed", duration_s=0.5, mode="generate", new_tokens=2, process=False)
     assert len(runs.records) >= 5 and (runs.records["status"] == 200).all()  # the lab helpers send the handle's key
     assert httpx.get(keyed.url + "/stats", headers=keyed.headers).status_code == 200
+    from labserver.replicas import ReplicasHandle  # (its stats() is one GET /stats: no Ray needed to check it)
+
+    replicas = ReplicasHandle(keyed.url, keyed.config, 1, "pow2", started_ray=False, started_serve=False)
+    assert replicas.stats()["statuses"]["200"] > 0 and replicas.headers == bearer(KEYS[0])
+    replicas.stopped = True
     monkeypatch.setenv("LABSERVER_API_KEY", "sk-a, sk-b")
     assert ServerConfig().api_keys == ("sk-a", "sk-b")  # a server started without keys takes the environment's
     assert ServerConfig(api_keys=("sk-c",)).api_keys == ("sk-c",)

@@ -53,8 +53,18 @@ class ReplicasHandle:
     def __repr__(self) -> str:
         return f"<labserver {self.config.strategy} x{self.replicas} replicas, router {self.router}, at {self.url}>"
 
+    @property
+    def api_key(self) -> str | None:
+        """The ingress's first key (``api_keys``), for clients in this process; None without one."""
+        return self.config.api_keys[0] if self.config.api_keys else None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What every request needs: ``Authorization: Bearer KEY`` when the ingress asks for a key."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
     def stats(self) -> dict[str, Any]:
-        return httpx.get(self.url + "/stats", timeout=30).json()  # type: ignore[no-any-return]
+        return httpx.get(self.url + "/stats", headers=self.headers, timeout=30).json()  # type: ignore[no-any-return]
 
     def stop(self) -> None:
         """Drain the ingress, remove the app; stop Serve and Ray only if this handle started them (never a
