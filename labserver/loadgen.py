@@ -72,7 +72,7 @@ from .load.plan import Plan
 from .load.processes import run_in_processes
 from .load.results import PROBE_COLUMNS, RECORD_COLUMNS, TOKEN_COLUMNS, LoadResult, build_records
 from .load.worker import run_here
-from .analysis.trust import late_matters
+from .analysis.trust import late_matters, load_seen
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ def _assess(spec: LoadSpec, arrival: Arrival | None, records: pd.DataFrame) -> t
             f"late (mean {late.clip(lower=0).mean():.1f} ms, p99 {meta['late_ms_p99']:.1f} ms, against a median "
             f"latency of {p50:.1f} ms); sent "
             f"{achieved:.1f}/s against {scheduled_rate:.1f}/s scheduled. latency_ms still counts from "
-            f"the schedule, but the server saw a gentler load than asked.{why}")
+            f"the schedule; {load_seen(achieved, scheduled_rate)}.{why}")
     if n_overflow:
         warnings.append(
             f"{n_overflow} requests ({n_overflow / len(records):.1%}) were not sent because "

@@ -23,7 +23,7 @@ from labserver.analysis import (
     window_s,
 )
 from labserver.analysis.theory import md1_mean_response_ms
-from labserver.analysis.trust import late_matters, trusted
+from labserver.analysis.trust import late_matters, load_seen, trusted
 
 COLUMNS = [
     "i", "scheduled_s", "sent_s", "done_s", "status", "error", "latency_ms", "send_latency_ms", "late_ms",
@@ -172,6 +172,8 @@ def test_late_sends_matter_only_beside_the_latency_they_distort():
     stalled = summarize(make_records([15.0] * 100, late_ms=[0.0] * 80 + [10.0] * 20))  # mean 2 ms vs 15 ms
     assert stalled["late_matters"]
     assert late_matters(0.1, 15.0, sent_rate=90.0, scheduled_rate=100.0)  # a gentler load than asked
+    assert "gentler" in load_seen(90.0, 100.0)
+    assert "the rate held" in load_seen(4.4, 4.4) and "gentler" not in load_seen(4.4, 4.4)  # late, not fewer
 
 
 def test_tail_percentiles_need_three_answers_beyond_them():

@@ -19,7 +19,7 @@ import re
 import pandas as pd
 
 __all__ = ["LATE_SHARE", "MIN_P99_SAMPLES", "RATE_SHORTFALL", "TAIL_SAMPLES", "enough", "late_matters",
-           "tail_columns", "trusted"]
+           "load_seen", "tail_columns", "trusted"]
 
 TAIL_SAMPLES = 3  # answers that must lie beyond a percentile for it to be reported
 MIN_P99_SAMPLES = 300  # = TAIL_SAMPLES / 0.01
@@ -27,6 +27,21 @@ LATE_SHARE = 0.05  # mean send lateness above this share of the median latency d
 RATE_SHORTFALL = 0.02  # sends this much slower than scheduled: the server saw a gentler load
 LATE_FLOOR_MS = 0.5  # a mean lateness under this is timer noise, however fast the answers
 _TAIL = re.compile(r"(^|_)p(9\d+)(_|$)")
+
+
+def _short(sent_rate: float, scheduled_rate: float) -> bool:
+    return scheduled_rate > 0 and sent_rate < (1.0 - RATE_SHORTFALL) * scheduled_rate
+
+
+def load_seen(sent_rate: float, scheduled_rate: float) -> str:
+    """What a server saw of a run whose sends were late: less load, or the same load unevenly.
+
+    >>> load_seen(90.0, 100.0)
+    'the server saw a gentler load than asked'
+    """
+    if _short(sent_rate, scheduled_rate):
+        return "the server saw a gentler load than asked"
+    return "the rate held, so the server saw the load asked, but bunched: sends meant to be spread out went together"
 
 
 def enough(q: float, n: int) -> bool:
@@ -71,7 +86,7 @@ def late_matters(mean_late_ms: float, p50_latency_ms: float, sent_rate: float = 
     >>> late_matters(0.4, 15.0), late_matters(2.0, 15.0), late_matters(0.1, 15.0, 90.0, 100.0)
     (False, True, True)
     """
-    if scheduled_rate > 0 and sent_rate < (1.0 - RATE_SHORTFALL) * scheduled_rate:
+    if _short(sent_rate, scheduled_rate):
         return True
     if not p50_latency_ms > 0:
         return mean_late_ms > 1.0
