@@ -77,6 +77,18 @@ def test_a_sequence_failing_mid_stream_fails_alone(strategy: str, limits: dict[s
     assert all(poisoned.sid not in call for call in model.calls[whole + step["calls"]:])  # it left
 
 
+def test_under_preemption_and_a_prefix_cache_the_batch_mates_stay_exact() -> None:
+    # a pool too small for four: sequences are preempted and recomputed around the failure, over cached blocks
+    limits = {"max_kv_tokens": 40, "kv_block_tokens": 4, "prefix_cache": True}
+    model = FailsMidStream(after=5)
+    seqs, stats, _ = run(model, TEXTS, [30] * 4, "gen-paged", **limits)
+    clean, _, _ = run(FailsMidStream(), TEXTS[:1] + TEXTS[2:], [30] * 3, "gen-paged", **limits)
+    assert stats["preemptions"] > 0 and stats["bisections"] > 0
+    assert isinstance(seqs[1].future.exception(), ModelError) and stats["items_failed"] == 1
+    assert [s.tokens for s in seqs[:1] + seqs[2:]] == [s.tokens for s in clean]
+    assert stats["running"] == 0 and stats["kv_blocks"]["used"] == 0 and model.cached == 0
+
+
 def test_a_step_every_sequence_fails_in_fails_each_alone() -> None:
     model = FailsMidStream(after=2)
     seqs, stats, steps = run(model, [f"{MARK} {w}" for w in ("one", "two", "three", "four")], [8] * 4,

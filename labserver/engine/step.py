@@ -13,7 +13,7 @@ leaves)::
             await scheduler.admit()         # a step boundary: who joins, and the calls of the next step
             continue
         outputs = model.forward(call.chunks)          # on the model thread; any mix of prompts and decodes;
-                                            # a call that raises is bisected until its failure falls alone
+                                                      # one that raises is bisected until its failure falls alone
         scheduler.apply(call, outputs)      # positions computed, tokens emitted, failures, who leaves
 
 KV memory is blocks (``labserver.engine.blocks``): the scheduler keeps each sequence's
