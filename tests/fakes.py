@@ -87,6 +87,42 @@ class CallLog:
         return self.inner.forward(chunks)
 
 
+class FailsMidStream:
+    """A synthetic generator that fails every call computing a marked sequence past its first tokens.
+
+    A prompt holding the word ``MARK`` is prefilled as any other; from its ``after``-th token
+    on, any call that computes it raises ``ModelError``, however many sequences share the
+    call (mid-stream: its first tokens were sent). Every other sequence is ``SyntheticGen``'s,
+    whose tokens depend on its own context only: a batch-mate's are checked exactly.
+    ``calls`` logs every call that reached the model, failed or not, as sequence ids.
+    """
+
+    MARK = "__fails_later__"
+
+    def __init__(self, after: int = 3, **options: Any) -> None:
+        from labserver.models import SyntheticGen
+
+        self.inner = SyntheticGen(0, 0, **options)
+        self.after = after
+        self.marked: set[int] = set()
+        self.calls: list[tuple[int, ...]] = []
+        self._mark = self.inner.encode(self.MARK)[0]
+
+    def __getattr__(self, name: str) -> Any:  # everything else is the synthetic model's
+        return getattr(self.inner, name)
+
+    def allocate_kv(self, blocks: int, block_tokens: int) -> None:
+        self.marked.clear()  # a new engine: its sequence ids start again
+        self.inner.allocate_kv(blocks, block_tokens)
+
+    def forward(self, chunks):  # type: ignore[no-untyped-def]
+        self.calls.append(tuple(c.sid for c in chunks))
+        self.marked.update(c.sid for c in chunks if self._mark in c.tokens)
+        if any(c.sid in self.marked and c.end >= c.prompt_len + self.after for c in chunks):
+            raise ModelError("this sequence poisons every call it is in")
+        return self.inner.forward(chunks)
+
+
 class SteppedGen:
     """A synthetic generator whose decode steps wait for the test's permits: one permit, one step.
 

@@ -171,8 +171,10 @@ def failing_decodes(error: BaseException, times: float = float("inf")) -> Synthe
     return model
 
 
-def test_a_failed_decode_step_fails_its_sequences_and_the_engine_goes_on() -> None:
-    model = failing_decodes(ModelError("step failed"), times=1)
+@pytest.mark.parametrize("times", [1, 3])
+def test_a_failed_decode_step_is_bisected_and_the_engine_goes_on(times: int) -> None:
+    # once: the halves are retried and both finish; three times (the step, then each alone): each fails alone
+    model = failing_decodes(ModelError("step failed"), times=times)
 
     async def main() -> tuple[list[Any], Any]:
         e = engine("gen-continuous", model)
@@ -183,7 +185,10 @@ def test_a_failed_decode_step_fails_its_sequences_and_the_engine_goes_on() -> No
         return first, later[0]
 
     first, later = asyncio.run(main())
-    assert all(isinstance(o, ModelError) for o in first)
+    if times == 1:
+        assert all(isinstance(o, Seq) and len(o.tokens) == 5 for o in first)
+    else:
+        assert all(isinstance(o, ModelError) for o in first)
     assert isinstance(later, Seq) and len(later.tokens) == 3
     assert model.cached == 0
 

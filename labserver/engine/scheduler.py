@@ -61,11 +61,16 @@ class StepRecord:
     blocks_free: int = 0
     decoding: tuple[int, ...] = ()  # among seqs: those that computed one token of their answer (idle ones too);
     #   the others computed prompt tokens. None: a prefill call; all of seqs: a decode step; else a mixed one
+    calls: int = 1  # model calls it took: more when the call raised and was bisected to find whom the failure is
+    #   for (each half run as a call of its own)
+    failed: tuple[int, ...] = ()  # among seqs: those the model failed on (each answered with its error)
 
 
 @dataclass
 class StepCounters(GenCounters):
     prefill_calls: int = count("Prefill model calls (more than prefills when a failed one was split and retried)")
+    bisections: int = count("Model calls that raised and were split in halves, each retried as a call of its own, "
+                            "until the failure fell on its own sequences")
     decode_steps: int = count("Model calls that decoded (decode or mixed steps)")
     idle_tokens: int = count("Tokens computed for sequences already finished (static batching's padding)")
     step_size_histogram: Counter[int] = sizes("Sequences per decode step")
@@ -89,8 +94,23 @@ class ModelCall:
 
     @property
     def prefills(self) -> bool:
-        """Some sequence computes prompt tokens (a prompt that fails must fail alone: the call is isolating)."""
+        """Some sequence computes prompt tokens."""
         return len(self.decoding) < len(self.work)
+
+    def halves(self) -> tuple[ModelCall, ModelCall]:
+        """The call split in two, each a call of its own over the same chunks (what a failed call is retried as).
+
+        Nothing is booked between a plan and its outcome: positions computed and tokens emitted
+        move only in ``Scheduler.apply``, once, for the whole call, and every block the call
+        writes was taken when it was planned. So a half computes exactly the positions it would
+        have computed in the whole call, into the same blocks, and each half runs once.
+        """
+        mid = len(self.work) // 2
+        return self._part(0, mid), self._part(mid, len(self.work))
+
+    def _part(self, lo: int, hi: int) -> ModelCall:
+        work = self.work[lo:hi]
+        return ModelCall(work, self.chunks[lo:hi], self.decoding & {s.sid for s, _ in work})
 
 
 class RunningSeqs:
@@ -278,8 +298,9 @@ class Scheduler:
                      sampling=seq.sampling, prompt_len=len(prompt), score=score, decode=seq.decoding)
 
     # -- the outcome ------------------------------------------------------------------------
-    def apply(self, plan: ModelCall, outs: Sequence[Any], start_s: float, end_s: float) -> None:
-        """What follows from a call's outputs (a token, None for a prompt piece, or an exception per entry)."""
+    def apply(self, plan: ModelCall, outs: Sequence[Any], start_s: float, end_s: float, calls: int = 1) -> None:
+        """What follows from a call's outputs (a token, None for a prompt piece, or an exception per entry);
+        ``calls``: the model calls it took (more than one: it was bisected)."""
         c = self.counters
         decoding = plan.decoding  # (the rest computed prompt tokens)
         idle, failed = [], []
@@ -323,7 +344,8 @@ class Scheduler:
                                      tuple(idle), self.running.kv_tokens, self.running.reserved,
                                      sum(n for _, n in plan.work), prefilling,
                                      tuple(s.sid for s in plan.preempted), b.used, b.cached, b.free,
-                                     tuple(s.sid for s, _ in plan.work if s.sid in decoding)))
+                                     tuple(s.sid for s, _ in plan.work if s.sid in decoding), calls,
+                                     tuple(s.sid for s in failed)))
         self._retire()
 
     def _retire(self) -> None:

@@ -12,7 +12,8 @@ leaves)::
         if call is None:                    # the step is over
             await scheduler.admit()         # a step boundary: who joins, and the calls of the next step
             continue
-        outputs = model.forward(call.chunks)          # on the model thread; any mix of prompts and decodes
+        outputs = model.forward(call.chunks)          # on the model thread; any mix of prompts and decodes;
+                                                      # one that raises is bisected until its failure falls alone
         scheduler.apply(call, outputs)      # positions computed, tokens emitted, failures, who leaves
 
 KV memory is blocks (``labserver.engine.blocks``): the scheduler keeps each sequence's
@@ -31,12 +32,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..models import GenModel, InputRejected, ModelLoadError, Sampling
+from ..models import GenModel, InputRejected, ModelError, ModelLoadError, Sampling
 from ..strategies import GenStrategy
 from .blocks import BlockManager
 from .counters import Metric, gauge
 from .genbase import GenEngine, kv_budget_tokens
-from .modelthread import run_isolating
+from .modelthread import WorkerDied
 from .scheduler import ModelCall, RunningSeqs, Scheduler, StepCounters, StepRecord
 from .sequence import Seq
 
@@ -94,21 +95,46 @@ class StepEngine(GenEngine):
                 await self.scheduler.admit()  # a step boundary: who joins (waits while nothing runs)
                 continue
             start = self.clock()
-            outs = await self._run(call)
-            self.scheduler.apply(call, outs, start, self.clock())
+            outs, calls = await self._run(call)
+            if call.prefills:
+                self.counters.prefill_calls += calls
+            self.scheduler.apply(call, outs, start, self.clock(), calls)
 
-    async def _run(self, call: ModelCall) -> list[Any]:
-        """The model call; a failure becomes that sequence's output (an exception), never the loop's end."""
-        if not call.prefills:
-            try:
-                return await self.call(self.model.forward, call.chunks)  # type: ignore[no-any-return]
-            except Exception as e:  # a failed step fails every sequence in it (mid-stream: an error event)
-                logger.exception("decode step failed for %d sequences", len(call.chunks))
-                return [e] * len(call.chunks)
-        # a prompt that fails fails alone: the call is split and retried until it does
-        outs, calls = await self.call(run_isolating, self.model.forward, call.chunks)
-        self.counters.prefill_calls += calls
-        return outs  # type: ignore[no-any-return]
+    async def _run(self, call: ModelCall) -> tuple[list[Any], int]:
+        """The call's outputs, one per sequence, and the model calls they took.
+
+        A failure is never the loop's end, nor its batch-mates': a call that raises is
+        bisected, each half run as a call of its own (``ModelCall.halves``) and split again
+        while it raises, until the failure falls on the sequence(s) it belongs to; their
+        output is the exception, everyone else's what the model made for them, computed
+        once. One poisoned sequence among n costs about 2 log2(n) more calls; an
+        out-of-memory step is retried smaller until it fits.
+        """
+        outs, calls = await self._isolate(call)
+        if calls > 1:
+            failed = [s.sid for (s, _), out in zip(call.work, outs, strict=True) if isinstance(out, Exception)]
+            logger.warning("a call of %d sequences raised; bisected in %d calls, the model failed on %s",
+                           len(call.work), calls, failed or "none of them")
+        return outs, calls
+
+    async def _isolate(self, call: ModelCall) -> tuple[list[Any], int]:
+        try:
+            outs = await self.call(self.model.forward, call.chunks)
+            if len(outs) != len(call.chunks):
+                raise ModelError(f"model returned {len(outs)} outputs for {len(call.chunks)} sequences")
+            return list(outs), 1
+        except WorkerDied:
+            raise  # the model thread is gone: nothing to retry on
+        except Exception as e:
+            if len(call.work) == 1:
+                if not isinstance(e, ModelError):
+                    logger.error("model failed on sequence %d", call.work[0][0].sid, exc_info=e)
+                return [e], 1
+        self.counters.bisections += 1
+        left, right = call.halves()
+        outs_left, n_left = await self._isolate(left)
+        outs_right, n_right = await self._isolate(right)
+        return outs_left + outs_right, 1 + n_left + n_right
 
     async def _release(self) -> None:
         """Tell the model which sequences left the batch, so it may forget their KV."""

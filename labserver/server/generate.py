@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from .. import wire
 from ..engine import Seq
@@ -31,7 +31,7 @@ from ..models import GenModel
 from .handling import (ClientError, FastJSON, answer, cache_salt, check_text, error_body, parse_json,
                        request_class)
 from .runtime import Runtime
-from .streaming import generation_engine, wait_all, wait_first_token, write_stream
+from .streaming import SeqStream, generation_engine, letting_go, wait_all, wait_first_token
 
 __all__ = ["GenParams", "parse_generate", "post_generate", "result_body", "timing"]
 
@@ -131,19 +131,20 @@ async def _generate(rt: Runtime, request: Request, body: bytes, rid: str, t0: fl
     priority, tenant = request_class(request)
     seq = engine.submit(prompt_ids, params.max_new_tokens, ignore_eos=params.ignore_eos, request_id=rid,
                         priority=priority, tenant=tenant, cache_salt=cache_salt(rt.config.cache_isolation, tenant))
-    await wait_first_token(rt, request, seq, t0)
-    headers = {wire.HEADER_REQUEST_ID: rid, wire.HEADER_QUEUE_MS: f"{(seq.admitted_s - seq.enqueued_s) * 1000:.3f}"}
-    if seq.replica:
-        headers[wire.HEADER_REPLICA] = seq.replica
-    if params.stream:
-        return StreamingResponse(write_stream(rt, [seq], rid, t0, _Events(rt, seq, rid, t0)),
-                                 media_type="text/event-stream",
-                                 headers={**headers, "cache-control": "no-cache"})
-    await wait_all(request, seq)
-    now = time.perf_counter()
+    with letting_go([seq]):  # whatever fails from here (a header too), the sequence is not left generating
+        await wait_first_token(rt, request, seq, t0)
+        headers = {wire.HEADER_REQUEST_ID: rid,
+                   wire.HEADER_QUEUE_MS: f"{(seq.admitted_s - seq.enqueued_s) * 1000:.3f}"}
+        if seq.replica:
+            headers[wire.HEADER_REPLICA] = seq.replica
+        if params.stream:
+            return SeqStream(rt, [seq], rid, t0, _Events(rt, seq, rid, t0), headers)
+        await wait_all(request, seq)
+        now = time.perf_counter()
+        response = FastJSON(result_body(rt.model, seq, t0, now),  # type: ignore[arg-type]
+                            headers={**headers, wire.HEADER_SERVER_MS: f"{(now - t0) * 1000:.3f}"})
     rt.answered(now - t0)
-    return FastJSON(result_body(rt.model, seq, t0, now),  # type: ignore[arg-type]
-                    headers={**headers, wire.HEADER_SERVER_MS: f"{(now - t0) * 1000:.3f}"})
+    return response
 
 
 async def post_generate(request: Request) -> Response:

@@ -10,27 +10,39 @@ of
 - the client left: nothing more to send; counted once as 499, and its sequences cancelled,
   so the engine drops them at the next step boundary.
 
-``write_stream`` is that loop; an API only says how its pieces look (a ``Renderer``).
-Before it, both APIs wait the same way: ``wait_first_token`` (the deadline and the client
-may end it first: until then every failure is an ordinary JSON error) and, for a one-piece
-answer, ``wait_all``; ``generation_engine`` is the server's engine, if it generates.
+``write_stream`` is that loop; an API only says how its pieces look (a ``Renderer``), and
+``SeqStream`` is the HTTP response that runs it. Before it, both APIs wait the same way:
+``wait_first_token`` (the deadline and the client may end it first: until then every failure
+is an ordinary JSON error) and, for a one-piece answer, ``wait_all``; ``generation_engine``
+is the server's engine, if it generates.
+
+No orphans: a sequence nobody will read leaves the batch at the next step boundary. Once
+a route has queued sequences, whatever fails before its response is handed over (a header
+that cannot be built, anything raised while waiting) lets them go (``letting_go``), and a
+stream response lets them go when it is over, also when it never began (the HTTP server
+refused its headers, the client was gone before its first byte), which ``write_stream``
+alone cannot see: a loop that never ran has no ``finally``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any, Protocol, cast
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from .. import wire
 from ..engine import GenEngine, Seq
 from .handling import ClientError, ClientWatch, deadline_end_s, describe, log_failure
 from .runtime import Runtime
 
-__all__ = ["Renderer", "failure", "generation_engine", "wait_all", "wait_first_token", "write_stream"]
+__all__ = ["Renderer", "SeqStream", "failure", "generation_engine", "let_go", "letting_go", "wait_all",
+           "wait_first_token", "write_stream"]
 
 
 class Renderer(Protocol):
@@ -57,7 +69,8 @@ def failure(seqs: list[Any]) -> BaseException | None:
     return None
 
 
-async def write_stream(rt: Runtime, seqs: list[Any], rid: str, t0: float, render: Renderer) -> AsyncIterator[Any]:
+async def write_stream(rt: Runtime, seqs: list[Any], rid: str, t0: float,
+                       render: Renderer) -> AsyncGenerator[Any, None]:
     """Every token once (all that are ready in one write), then one ending (see the module docstring)."""
     answered = False
     try:
@@ -82,10 +95,59 @@ async def write_stream(rt: Runtime, seqs: list[Any], rid: str, t0: float, render
         rt.answered(time.perf_counter() - t0)
         yield render.done()
     finally:
-        for seq in seqs:
-            seq.future.cancel()  # a no-op once answered; a client that left mid-stream frees its place
+        let_go(seqs)  # a no-op once answered; a client that left mid-stream frees its place
         if not answered:
             rt.statuses[499] += 1  # it began as a 200, but its client left: one outcome, counted once
+
+
+def let_go(seqs: list[Any]) -> None:
+    """Nobody will read these: queued, they are never prefilled; running, they leave at the next step (a no-op
+    for one already answered)."""
+    for seq in seqs:
+        seq.future.cancel()
+
+
+@contextlib.contextmanager
+def letting_go(seqs: list[Any]) -> Iterator[None]:
+    """Around everything a route does once it has queued ``seqs`` (the list may still grow): whatever it raises
+    lets them go before the error is answered."""
+    try:
+        yield
+    except BaseException:
+        let_go(seqs)
+        raise
+
+
+class SeqStream(StreamingResponse):
+    """``write_stream`` as an HTTP response (server-sent events) that lets its sequences go when it is over.
+
+    Starlette runs the loop only once the headers are out, in a task it cancels when the
+    client leaves; a start that fails, or a client gone before it, leaves the loop unrun
+    and its sequences running for nobody. Here they are let go whatever happened; one
+    whose client left before it began counts as 499 (one whose start raised is the error
+    handler's 500).
+    """
+
+    def __init__(self, rt: Runtime, seqs: list[Seq], rid: str, t0: float, render: Renderer,
+                 headers: dict[str, str]) -> None:
+        self.rt, self.seqs, self.begun = rt, seqs, False
+        super().__init__(self._events(write_stream(rt, seqs, rid, t0, render)), media_type="text/event-stream",
+                         headers={**headers, "cache-control": "no-cache"})
+
+    async def _events(self, events: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+        self.begun = True
+        async with contextlib.aclosing(events):  # its ending runs when this one is closed
+            async for piece in events:
+                yield piece
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # a loop left at a write: its ending
+            let_go(self.seqs)
+        if not self.begun:
+            self.rt.statuses[499] += 1
 
 
 def generation_engine(rt: Runtime, why: str) -> GenEngine:

@@ -30,14 +30,14 @@ from typing import Any, ClassVar
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from ... import wire
 from ...engine import Seq
 from ...models import GenModel, Sampling
 from ..handling import FastJSON, answer, cache_salt, request_class
 from ..runtime import Runtime
-from ..streaming import generation_engine, wait_all, wait_first_token, write_stream
+from ..streaming import SeqStream, generation_engine, letting_go, wait_all, wait_first_token
 from .catalog import check_model, served_name
 from .errors import openai_error_body, openai_failure
 from .logprobs import chat_logprobs, completion_logprobs, prompt_entries
@@ -201,7 +201,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
     salt = cache_salt(cfg.cache_isolation, tenant, req.cache_salt)
     seqs: list[Seq] = []  # choice i is seqs[i]: prompt by prompt, n choices each
     texts: list[str] = []  # the prompt each choice echoes
-    try:
+    with letting_go(seqs):  # whatever fails from the first one queued on (a header too), none is left generating
         for text, ids in zip(req.prompts, prompts, strict=True):
             room = max(1, model.max_context - len(ids))
             limit = req.max_tokens or min(api.default_max_tokens(room), room, cfg.max_new_tokens)
@@ -216,21 +216,22 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
                 texts.append(text)
         for seq in seqs:
             await wait_first_token(rt, request, seq, t0)
-    except BaseException:
-        for seq in seqs:
-            seq.future.cancel()  # the ones queued are never prefilled; the running ones leave at the next step
-        raise
-    reply = api(req, rid, served_name(rt), int(time.time()))
-    headers = {wire.HEADER_REQUEST_ID: rid,
+        return await _respond(rt, request, api(req, rid, served_name(rt), int(time.time())), seqs, texts, t0)
+
+
+async def _respond(rt: Runtime, request: Request, reply: _Reply, seqs: list[Seq], texts: list[str],
+                   t0: float) -> Response:
+    """Every choice has its first token: the stream, or (once all are answered) the one-piece answer."""
+    model: GenModel = rt.model  # type: ignore[assignment]
+    req = reply.req
+    headers = {wire.HEADER_REQUEST_ID: reply.rid,
                wire.HEADER_QUEUE_MS: f"{(seqs[0].admitted_s - seqs[0].enqueued_s) * 1000:.3f}"}
     if req.ignored:
         headers[wire.HEADER_IGNORED_FIELDS] = ignored_header(req.ignored)
     if seqs[0].replica:
         headers[wire.HEADER_REPLICA] = ",".join(dict.fromkeys(s.replica for s in seqs))  # (n > 1: each its own)
     if req.stream:
-        return StreamingResponse(write_stream(rt, seqs, rid, t0, _Chunks(reply, seqs, texts, model)),
-                                 media_type="text/event-stream",
-                                 headers={**headers, "cache-control": "no-cache"})
+        return SeqStream(rt, seqs, reply.rid, t0, _Chunks(reply, seqs, texts, model), headers)
     for seq in seqs:
         await wait_all(request, seq)
     choices = []
@@ -241,9 +242,10 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
         choices.append(reply.answer(i, prompt, piece, reason, _stop_reason(text),
                                     _Scores(reply, model, seq, prompt).pending()))
     now = time.perf_counter()
+    response = FastJSON({**reply.head(False), "choices": choices, "usage": usage(seqs)},
+                        headers={**headers, wire.HEADER_SERVER_MS: f"{(now - t0) * 1000:.3f}"})
     rt.answered(now - t0)
-    return FastJSON({**reply.head(False), "choices": choices, "usage": usage(seqs)},
-                    headers={**headers, wire.HEADER_SERVER_MS: f"{(now - t0) * 1000:.3f}"})
+    return response
 
 
 def choice_sampling(sampling: Sampling | None, j: int) -> Sampling | None:
