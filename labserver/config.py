@@ -27,6 +27,17 @@ def default_model(strategy: str) -> str:
     return DEFAULT_MODELS[cls.kind if cls is not None else "encode"]
 
 
+
+def env_api_keys() -> tuple[str, ...]:
+    """The keys in ``LABSERVER_API_KEY`` (comma-separated), for a server started without its own."""
+    return tuple(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
+
+
+def env_api_key() -> str | None:
+    """The first of them, which a client in the same environment sends; None without any."""
+    keys = env_api_keys()
+    return keys[0] if keys else None
+
 @dataclass
 class ServerConfig:
     strategy: str = DEFAULT_STRATEGY
@@ -66,8 +77,8 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if isinstance(self.api_keys, str):
             self.api_keys = (self.api_keys,)
-        if not self.api_keys and os.environ.get(API_KEY_ENV):
-            self.api_keys = tuple(k.strip() for k in os.environ[API_KEY_ENV].split(",") if k.strip())
+        if not self.api_keys:
+            self.api_keys = env_api_keys()
         if any(not k or not k.isascii() or not k.isprintable() or " " in k for k in self.api_keys):
             raise ValueError("an API key must be printable ASCII without spaces")
 

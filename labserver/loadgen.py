@@ -73,6 +73,7 @@ from .load.processes import run_in_processes
 from .load.results import PROBE_COLUMNS, RECORD_COLUMNS, TOKEN_COLUMNS, LoadResult, build_records
 from .load.worker import run_here
 from .analysis.trust import late_matters, load_seen
+from .config import env_api_key
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ class LoadSpec:
     progress: bool | None = None  # tqdm bar; None: only for runs of 10 s or more
     allow_remote: bool = False  # loopback targets only unless this is True
     mix: MixLike | None = None  # flows sent side by side (a Mix, a list of Flow, or "name:share:key=value,...")
-    api_key: str | None = field(default=None, repr=False)  # sent as "Authorization: Bearer KEY" (--api-key)
+    api_key: str | None = field(default_factory=env_api_key, repr=False)  # "Authorization: Bearer KEY"; $LABSERVER_API_KEY
 
     def __post_init__(self) -> None:
         check_target(self.url, self.allow_remote)

@@ -48,3 +48,9 @@ def ax(untouched_rcparams: None) -> Any:
     import matplotlib.pyplot as plt
 
     return plt.subplots()[1]
+
+
+@pytest.fixture(autouse=True)
+def no_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LABSERVER_API_KEY in the developer's shell would key every server these tests start."""
+    monkeypatch.delenv("LABSERVER_API_KEY", raising=False)

@@ -68,6 +68,12 @@ def test_the_load_generator_and_the_cli_pass_the_key(keyed: labserver.ServerHand
     assert ServerConfig().api_keys == ("sk-a", "sk-b")  # a server started without keys takes the environment's
     assert ServerConfig(api_keys=("sk-c",)).api_keys == ("sk-c",)
     assert "sk-c" not in repr(ServerConfig(api_keys=("sk-c",)))
+    with labserver.serve("gen-continuous", SyntheticGen(0, 0, max_context=64)) as h:  # keyed by the environment
+        assert h.api_key == "sk-a" and httpx.get(h.url + "/stats").status_code == 401
+        assert httpx.get(h.url + "/stats", headers=h.headers).status_code == 200
+        env_run = run_load_sync(h.url, mode="generate", users=1, max_requests=3, new_tokens=2, process=False,
+                                progress=False)  # a client in the same environment sends its first key
+        assert (env_run.records["status"] == 200).all()
     with pytest.raises(ValueError, match="printable ASCII"):
         ServerConfig(api_keys=("has space",))
 

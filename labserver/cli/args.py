@@ -10,10 +10,9 @@ this one.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
-from ..config import API_KEY_ENV, DEFAULT_STRATEGY
+from ..config import DEFAULT_STRATEGY
 from ..strategies import Limits, strategy_names
 from ..strategies.queueing import DISCIPLINES
 from ..strategies.scheduling import SCHEDULING
@@ -213,9 +212,9 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
         args.mode = "generate" if generate else "json" if args.texts_per_request > 1 else "text"
     opts: dict[str, Any] = dict(duration_s=args.duration, warmup_s=args.warmup, seed=args.seed,
                                 mode=args.mode, api=args.api, processes=args.processes,
-                                allow_remote=args.allow_remote, texts_per_request=args.texts_per_request,
-                                api_key=args.api_key or (os.environ.get(API_KEY_ENV) or "").split(",")[0].strip()
-                                or None)
+                                allow_remote=args.allow_remote, texts_per_request=args.texts_per_request)
+    if args.api_key:  # else the load generator's own default: the first key of $LABSERVER_API_KEY
+        opts["api_key"] = args.api_key
     if args.url and args.api != "labserver":
         opts["model"] = args.model  # the name to send (None: ask the server's /v1/models)
     if args.concurrency:
