@@ -21,8 +21,11 @@ server may not use, and break on a server that rejects them):
   400 naming it, before anything is kept or echoed.
 
 A ``temperature`` above 0 and below ``MIN_TEMPERATURE`` is raised to it (vLLM's clamp:
-dividing the scores by 1e-300 makes infinities); ``stop`` strings are at most
-``MAX_STOP_CHARS`` long.
+dividing the scores by 1e-300 makes infinities); ``top_p`` 0 is greedy (a nucleus of the
+most likely token alone); ``stop`` strings are at most ``MAX_STOP_CHARS`` long. What OpenAI's
+published schema allows is honoured or refused with a 400, never a 500: an integer may be
+written ``2.0`` (JSON Schema's ``integer``), a message may have ``function``, ``tool``'s
+deprecated role (tests/test_openapi_fuzz.py draws requests from that schema).
 
 ``temperature`` left out means greedy here (OpenAI's own default is 1; transformers'
 generation config for these models does not sample). Messages become one prompt
