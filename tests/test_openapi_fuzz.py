@@ -30,7 +30,7 @@ What the spec cannot judge as written, and what this module does about it:
 
 Generation cost is bounded by the server's own cap (``max_new_tokens``: a case asking for
 more is a 400), not by editing cases. ``LABSERVER_FUZZ_CASES=500`` runs a longer fuzz
-(cases per operation and run; docs/api.md).
+(cases per operation and run), ``LABSERVER_FUZZ_SEED`` draws other cases (docs/api.md).
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ from schemathesis.specs.openapi.checks import response_schema_conformance
 import labserver
 
 SPEC = Path(__file__).resolve().parents[1].parent / "shared" / "openai-openapi" / "openapi.labserver.yaml"
-CASES = int(os.environ.get("LABSERVER_FUZZ_CASES", "30"))  # per operation and mode
+CASES = int(os.environ.get("LABSERVER_FUZZ_CASES", "30"))  # per operation and run
 GEN, EMB = "gpt2-tiny-random", "minilm"
 MAX_NEW_TOKENS = 8
-SEED = 20261127
+SEED = int(os.environ.get("LABSERVER_FUZZ_SEED", "20261127"))  # another seed draws other cases, as fixed
 OPERATIONS = [("POST", "/completions"), ("POST", "/chat/completions"), ("POST", "/embeddings"), ("GET", "/models")]
 CHECKS = [not_a_server_error, response_schema_conformance]
 
