@@ -26,6 +26,7 @@ import labserver
 from labserver import wire
 from labserver.models import load_model
 from labserver.models.smollm2 import CONVERSION_RECORD, folder, gguf_path, is_current
+from labserver.server.openai.logprobs import UNLIKELY
 
 from .test_engine_paged import serve
 
@@ -174,7 +175,7 @@ def test_logprobs_top_logprobs_and_echo_are_transformers_log_softmax(server: lab
     p = len(ids)
     context = ids + greedy_ids(server, prompt, n)  # the same greedy answer, as token ids
     assert lp["tokens"] == [model.token_text(t) for t in context] and choice["text"].startswith(prompt)
-    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing predicts the first
+    assert lp["token_logprobs"][0] == UNLIKELY == lp["top_logprobs"][0][lp["tokens"][0]]  # nothing predicts it
     scores = torch.log_softmax(hf_logits(hf, context), -1)
     for i in range(1, p + n):
         assert math.isclose(lp["token_logprobs"][i], float(scores[i - 1, context[i]]), abs_tol=LOGPROB_ATOL), i

@@ -35,7 +35,7 @@ from starlette.responses import Response
 from ... import wire
 from ...engine import Seq
 from ...models import GenModel, Sampling
-from ..handling import FastJSON, answer, cache_salt, request_class
+from ..handling import ClientError, FastJSON, answer, cache_salt, request_class
 from ..runtime import Runtime
 from ..streaming import SeqStream, generation_engine, letting_go, wait_all, wait_first_token
 from .catalog import check_model, served_name
@@ -181,11 +181,24 @@ def finish_reason(seq: Seq, text: TextStream) -> str:
 
 
 def chat_template(model: GenModel) -> Callable[[list[dict[str, str]]], str] | None:
-    """The tokenizer's own chat template when the model has one (else ``params.render_chat``)."""
+    """The tokenizer's own chat template when the model has one (else ``params.render_chat``).
+
+    A template may refuse a conversation (Mistral's: roles must alternate; ``raise_exception``):
+    that is a 400 with its words, as the request is the client's to change."""
     tokenizer = model.tokenizer
     if tokenizer is None or not tokenizer.chat_template:
         return None
-    return lambda messages: tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    from jinja2 import TemplateError  # (transformers renders templates with jinja2)
+
+    def render(messages: list[dict[str, str]]) -> str:
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False,  # type: ignore[no-any-return]
+                                                 add_generation_prompt=True)
+        except TemplateError as e:
+            raise ClientError("bad_request", f"the model's chat template refused these messages: {e}",
+                              "messages") from None
+
+    return render
 
 
 async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float, *, api: type[_Reply]) -> Response:

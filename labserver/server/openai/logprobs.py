@@ -5,7 +5,9 @@
   likely alternatives and, as OpenAI and vLLM do, the chosen token's own) and
   ``text_offset`` (where each token's text begins in the choice's text). With ``echo``,
   the prompt's tokens come first; its first token has nothing before it to be predicted
-  from, so its entries are null (as OpenAI's are, and what evaluation harnesses skip).
+  from (what evaluation harnesses skip), so it gets ``UNLIKELY`` and itself as its only
+  alternative: OpenAI's own answer has null there, but its published schema has numbers
+  and objects only, and the SDKs and clients generated from that schema parse by it.
 - ``/v1/chat/completions`` (``"logprobs": true, "top_logprobs": K``): ``{"content":
   [...], "refusal": null}``, per token its text, log-probability, UTF-8 ``bytes`` and K
   alternatives.
@@ -39,21 +41,21 @@ def _bytes(model: GenModel, token: int) -> list[int]:
 
 
 def prompt_entries(prompt_ids: Sequence[int], scored: Sequence[Logprob]) -> list[Logprob]:
-    """The prompt's tokens as entries: its first with no log-probability (NaN: shown null), then those scored."""
+    """The prompt's tokens as entries: its first with no log-probability (NaN: shown ``UNLIKELY``), then those scored."""
     return [Logprob(prompt_ids[0], math.nan), *scored] if prompt_ids else []
 
 
 def completion_logprobs(model: GenModel, entries: Sequence[Logprob], offset: int) -> dict[str, Any]:
     """The completions shape for these tokens; ``offset``: where the first one's text begins in the choice's text.
 
-    A NaN log-probability (the prompt's first token; a token the EOS stand-in chose) is null."""
+    A NaN log-probability (the prompt's first token; a token the EOS stand-in chose) is ``UNLIKELY``."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for e in entries:
         text = _text(model, e.token)
-        known = not math.isnan(e.logprob)
+        logprob = UNLIKELY if math.isnan(e.logprob) else e.logprob
         out["tokens"].append(text)
-        out["token_logprobs"].append(e.logprob if known else None)
-        out["top_logprobs"].append({**{_text(model, t): v for t, v in e.top}, text: e.logprob} if known else None)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append({**{_text(model, t): v for t, v in e.top}, text: logprob})
         out["text_offset"].append(offset)
         offset += len(text)
     return out

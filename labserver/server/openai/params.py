@@ -22,8 +22,11 @@ server may not use, and break on a server that rejects them):
   400 naming it, before anything is kept or echoed.
 
 A ``temperature`` above 0 and below ``MIN_TEMPERATURE`` is raised to it (vLLM's clamp:
-dividing the scores by 1e-300 makes infinities); ``stop`` strings are at most
-``MAX_STOP_CHARS`` long.
+dividing the scores by 1e-300 makes infinities); ``top_p`` 0 is greedy (a nucleus of the
+most likely token alone); ``stop`` strings are at most ``MAX_STOP_CHARS`` long. What OpenAI's
+published schema allows is honoured or refused with a 400, never a 500: an integer may be
+written ``2.0`` (JSON Schema's ``integer``), a message may have ``function``, ``tool``'s
+deprecated role (tests/test_openapi_fuzz.py draws requests from that schema).
 
 ``temperature`` left out means greedy here (OpenAI's own default is 1; transformers'
 generation config for these models does not sample). Messages become one prompt
@@ -65,7 +68,7 @@ _COMMON = {"model", "max_tokens", "stream", "stream_options", "temperature", "to
 _USED = {False: _COMMON | {"prompt", "echo", "suffix"},
          True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                           "function_call"}}
-_ROLES = ("system", "developer", "user", "assistant", "tool")
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # function: tool's deprecated name
 
 
 @dataclass
@@ -95,10 +98,15 @@ def _refuse(message: str, param: str | None) -> ClientError:
 
 
 def _typed(doc: dict[str, Any], name: str, kinds: type | tuple[type, ...], what: str) -> Any:
-    """``doc[name]`` if present and not null, checked against ``kinds`` (bool is not a number here)."""
+    """``doc[name]`` if present and not null, checked against ``kinds`` (bool is not a number here).
+
+    An integer may come as a float with no fraction (``2.0``): JSON Schema's ``integer`` is a
+    number whose value is whole, however it is written, and OpenAI's schema says ``integer``."""
     value = doc.get(name)
     if value is None:
         return None
+    if kinds is int and isinstance(value, float) and value.is_integer():
+        return int(value)
     numeric = kinds in (int, float) or kinds == (int, float)
     if not isinstance(value, kinds) or (numeric and isinstance(value, bool)):
         raise _refuse(f'"{name}" must be {what}, got {type(value).__name__}', name)
@@ -179,7 +187,7 @@ def ignored_header(names: list[str], most: int = 32) -> str:
 def _refuse_unhonourable(doc: dict[str, Any], chat: bool) -> None:
     """A 400 for every field whose value asks for what this server cannot do."""
     best_of = _typed(doc, "best_of", int, "an integer")
-    n = doc.get("n") if isinstance(doc.get("n"), int) else 1
+    n = _choices(doc)
     if best_of is not None and best_of not in (1, n):
         raise _refuse(f'"best_of" must equal "n" here (got best_of={best_of}, n={n}): every choice made is '
                       "returned; none is chosen by score", "best_of")
@@ -282,10 +290,10 @@ def _sampling(doc: dict[str, Any], logprobs: int | None, echo: bool) -> Sampling
     seed = _typed(doc, "seed", int, "an integer")
     if temperature is not None and not 0 <= temperature <= 2:
         raise _refuse(f'"temperature" must be between 0 and 2, got {temperature}', "temperature")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise _refuse(f'"top_p" must be in (0, 1], got {top_p}', "top_p")
+    if top_p is not None and not 0 <= top_p <= 1:
+        raise _refuse(f'"top_p" must be between 0 and 1, got {top_p}', "top_p")
     scores = {"logprobs": logprobs, "prompt_logprobs": logprobs if echo else None}
-    if not temperature:  # greedy: top_p and seed change nothing
+    if not temperature or top_p == 0:  # greedy (top_p 0: a nucleus of the most likely token alone)
         return None if logprobs is None else Sampling(**scores)
     return Sampling(temperature=max(float(temperature), MIN_TEMPERATURE), top_p=float(1.0 if top_p is None else top_p),
                     seed=seed, **scores)
