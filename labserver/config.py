@@ -7,15 +7,14 @@ so the Python call and the command line have the same defaults by construction.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field, fields
 
 from .models import DEFAULT_MODELS
 from .strategies import STRATEGIES, Limits
+from .wire import API_KEY_ENV, env_api_keys
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "LABSERVER_API_KEY"  # comma-separated keys, when none is given otherwise
 DEFAULT_STRATEGY = "thread"
 DEFAULT_MODEL = DEFAULT_MODELS["encode"]
 CACHE_ISOLATION = ("none", "tenant")  # whose prefix-cache blocks a request may share: anyone's, or its tenant's
@@ -27,16 +26,6 @@ def default_model(strategy: str) -> str:
     return DEFAULT_MODELS[cls.kind if cls is not None else "encode"]
 
 
-
-def env_api_keys() -> tuple[str, ...]:
-    """The keys in ``LABSERVER_API_KEY`` (comma-separated), for a server started without its own."""
-    return tuple(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
-
-
-def env_api_key() -> str | None:
-    """The first of them, which a client in the same environment sends; None without any."""
-    keys = env_api_keys()
-    return keys[0] if keys else None
 
 @dataclass
 class ServerConfig:

@@ -61,6 +61,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 import pandas as pd
 
+from . import wire
 from .load.apis import APIS, OPENAI_APIS, default_path, is_generative, models_url
 from .load.arrivals import Arrival, make_arrival
 from .load.clients import CLIENTS, check_target
@@ -73,7 +74,6 @@ from .load.processes import run_in_processes
 from .load.results import PROBE_COLUMNS, RECORD_COLUMNS, TOKEN_COLUMNS, LoadResult, build_records
 from .load.worker import run_here
 from .analysis.trust import late_matters, load_seen
-from .config import env_api_key
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class LoadSpec:
     progress: bool | None = None  # tqdm bar; None: only for runs of 10 s or more
     allow_remote: bool = False  # loopback targets only unless this is True
     mix: MixLike | None = None  # flows sent side by side (a Mix, a list of Flow, or "name:share:key=value,...")
-    api_key: str | None = field(default_factory=env_api_key, repr=False)  # "Authorization: Bearer KEY"; $LABSERVER_API_KEY
+    api_key: str | None = field(default_factory=wire.env_api_key, repr=False)  # "Authorization: Bearer KEY"; $LABSERVER_API_KEY
 
     def __post_init__(self) -> None:
         check_target(self.url, self.allow_remote)

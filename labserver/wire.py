@@ -11,6 +11,23 @@ Error bodies always have the shape ``{"error": {"type": ..., "message": ...,
 
 from __future__ import annotations
 
+import os
+
+API_KEY_ENV = "LABSERVER_API_KEY"  # comma-separated keys: a server started without its own takes them, a client sends
+#   the first
+
+
+def env_api_keys() -> tuple[str, ...]:
+    """The keys in ``LABSERVER_API_KEY`` (comma-separated), for a server started without its own."""
+    return tuple(k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip())
+
+
+def env_api_key() -> str | None:
+    """The first of them, which a client in the same environment sends; None without any."""
+    keys = env_api_keys()
+    return keys[0] if keys else None
+
+
 HEADER_REQUEST_ID = "x-request-id"
 HEADER_QUEUE_MS = "x-queue-ms"  # time from enqueue to its batch's dispatch, ms
 HEADER_COMPUTE_MS = "x-compute-ms"  # model time of the batch it rode in, ms
