@@ -211,3 +211,5 @@ def test_the_reading_of_each_run_is_printed_by_the_run(path: Path) -> None:
     assert "lab.compare(" in code, f"{path.name} claims no ratio with its margin (lab.compare)"
     flagged = [line for line in outputs_text(nb) if "below this run's noise" in line]
     assert not flagged, f"{path.name}: committed claims whose margin is inside their noise: {flagged}"
+    unread = unread_failures(outputs_text(nb))
+    assert not unread, f"{path.name}: committed claims that fail with no reading of their own run: {unread}"
