@@ -152,13 +152,14 @@ SLOS_MS = (100.0, 250.0)  # p99 targets for the capacity-under-SLO rows
 
 
 def slo_capacity(model: Any, device: str, d: float, n_rounds: int,
-                 servers: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+                 servers: dict[str, dict[str, Any]], max_probes: int = 12) -> list[dict[str, Any]]:
     """The highest Poisson rate each server carries with p99 within each SLO, in alternating rounds.
 
     ``labserver.analysis.sweep`` ramps the rate by 2x from a start, then bisects to 5 %;
     a probe passes with p99 within the SLO and at most 1 % errors. The tighter SLO's
     answer starts the looser one's ramp, which saves the probes below it. A server whose
     strategy takes the target (``slo``) is started once per SLO with ``target_ms`` = it.
+    ``max_probes`` bounds each sweep (a smoke run takes 3: a rate found, not a capacity).
     """
     rounds = []
     for i in range(n_rounds):
@@ -176,7 +177,7 @@ def slo_capacity(model: Any, device: str, d: float, n_rounds: int,
                         return run_load_sync(url, arrival="poisson", rate_per_s=rate, duration_s=d + 1, warmup_s=1,
                                              payload=PAYLOAD, progress=False, timeout_s=30, seed=int(rate))
 
-                    found = analysis.sweep(at, slo, start_rate, rel_tol=0.05, max_probes=12)
+                    found = analysis.sweep(at, slo, start_rate, rel_tol=0.05, max_probes=max_probes)
                 r[f"{name}@{slo:g}"] = {"rate": found.best_rate or 0.0,
                                         "probes": found.probes[["rate", "passed", "p99_ms",
                                                                 "throughput_rps"]].to_dict("records")}
@@ -472,7 +473,8 @@ def main() -> int:
 
     if args.slo:
         slo_servers = {"best": best, "guide": guide, "slo": dict(strategy="slo", max_batch_size=64)}
-        numbers["slo_capacity"] = cap_rounds = slo_capacity(loaded, dev, d, args.rounds, slo_servers)
+        numbers["slo_capacity"] = cap_rounds = slo_capacity(loaded, dev, d, args.rounds, slo_servers,
+                                                                  max_probes=3 if args.smoke else 12)
         for who in ("best", "slo"):
             for slo in SLOS_MS:
                 def cap_ratio(r: dict[str, Any], slo: float = slo, who: str = who) -> float:
