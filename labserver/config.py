@@ -71,6 +71,11 @@ class ServerConfig:
         if any(not k or not k.isascii() or not k.isprintable() or " " in k for k in self.api_keys):
             raise ValueError("an API key must be printable ASCII without spaces")
 
+    @property
+    def client_headers(self) -> dict[str, str]:
+        """What a client in this process sends: ``Authorization: Bearer`` with the first key, if any."""
+        return {"authorization": f"Bearer {self.api_keys[0]}"} if self.api_keys else {}
+
     @classmethod
     def build(cls, **kwargs: object) -> ServerConfig:
         """Accept Limits fields (max_batch_size, max_wait_ms, ...) flat, beside the rest."""

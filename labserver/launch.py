@@ -153,7 +153,7 @@ class ServerHandle:
     @property
     def headers(self) -> dict[str, str]:
         """What every request to this server needs: ``Authorization: Bearer KEY`` when it asks for a key."""
-        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return self.config.client_headers
 
     @property
     def stopped(self) -> bool:

@@ -24,7 +24,7 @@ from labserver.models import ModelError, SyntheticGen
 from labserver.models.base import generate_alone
 from labserver.strategies import Limits, make_strategy
 
-from .fakes import FailsMidStream
+from .fakes import FailsMidStream, sse_events
 from .test_server import wait_until
 
 MARK = FailsMidStream.MARK
@@ -112,16 +112,6 @@ def test_a_call_that_returns_too_few_outputs_is_bisected() -> None:
 
 # -- through a real server ------------------------------------------------------------------------
 
-def sse(lines: Any) -> list[tuple[str, Any]]:
-    out, kind = [], None
-    for line in lines:
-        if line.startswith("event: "):
-            kind = line[len("event: "):]
-        elif line.startswith("data: "):
-            out.append((kind, json.loads(line[len("data: "):])))
-    return out
-
-
 @pytest.mark.parametrize("stream", [True, False])
 def test_over_http_the_poisoned_request_errs_and_its_batch_mates_finish(stream: bool) -> None:
     model = FailsMidStream(after=3, max_context=128)
@@ -134,7 +124,7 @@ def test_over_http_the_poisoned_request_errs_and_its_batch_mates_finish(stream: 
             body = {"prompt": TEXTS[k], "max_new_tokens": NEW[k], "ignore_eos": True}
             if k == 1 and stream:
                 with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as r:
-                    out[k] = (r.status_code, sse(r.iter_lines()))
+                    out[k] = (r.status_code, sse_events(r.read().decode()))
             else:
                 out[k] = httpx.post(url, json=body, timeout=30)
 

@@ -61,7 +61,7 @@ class ReplicasHandle:
     @property
     def headers(self) -> dict[str, str]:
         """What every request needs: ``Authorization: Bearer KEY`` when the ingress asks for a key."""
-        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return self.config.client_headers
 
     def stats(self) -> dict[str, Any]:
         return httpx.get(self.url + "/stats", headers=self.headers, timeout=30).json()  # type: ignore[no-any-return]
