@@ -5,8 +5,8 @@
     python benchmarks/foldercheck.py smollm2 --questions 16 --tokens 64   # the embedded model, 16 chat prompts
 
 For each folder: the largest difference between labserver's next-token scores and
-transformers' (``model(ids).logits``) over the prompt's prefill and ``--tokens`` decode
-steps, one sequence in the paged pool; and whether the greedy tokens labserver chooses
+transformers' (``model(ids).logits``, then a token a step on its own KV cache) over the prompt's
+prefill and ``--tokens`` decode steps, one sequence in the paged pool; and whether the greedy tokens labserver chooses
 (``generate_alone``: a prefill, then decode steps) equal transformers' ``generate`` on the
 same prompt, EOS ignored by both. A row passes when the largest difference is at most
 ``--atol`` (float32 on a CPU: 1e-4; a deep real model in float16 on a GPU needs more) and the
@@ -45,13 +45,16 @@ def check(folder: str, prompt: str, n: int, device: str, model: Any = None) -> d
     worst = {"prefill": 0.0, "decode": 0.0}
     seq = list(ids)
     scores = model.logits([Chunk(1, ids, 0, table)])[0]
+    with torch.inference_mode():  # transformers' own scores, its own KV cache carried from step to step
+        out = hf(torch.tensor([seq], device=hf.device), use_cache=True)
     for step in range(n):
-        with torch.inference_mode():
-            want = hf(torch.tensor([seq], device=hf.device)).logits[0, -1]
+        want = out.logits[0, -1]
         kind = "prefill" if step == 0 else "decode"
         worst[kind] = max(worst[kind], float((scores.float() - want.float()).abs().max()))
         seq.append(int(scores.argmax()))
         scores = model.logits([Chunk(1, [seq[-1]], len(seq) - 1, table)])[0]
+        with torch.inference_mode():
+            out = hf(torch.tensor([seq[-1:]], device=hf.device), past_key_values=out.past_key_values, use_cache=True)
     model.release([1])
     ours = generate_alone(model, ids, n)
     with torch.inference_mode():

@@ -49,14 +49,24 @@ from labserver.models import Chunk, ModelLoadError, load_model
 from labserver.models.base import token_of
 
 PEER = realmodel.PEER
-FULL = dict(models="smollm2,smollm2-q4", rounds=2, warmup=5.0, duration=20.0, streams="1,16,32", answer_tokens=64,
-            prompt_tokens=32, quiet_wait=120.0, max_rest=0.6, exact_questions=16, changed_questions=64)
-SMOKE = dict(models="gpt2-tiny-random", rounds=1, warmup=0.5, duration=2.0, streams="1,4", answer_tokens=16,
-             prompt_tokens=16, quiet_wait=0.0, max_rest=float("inf"), exact_questions=1, changed_questions=4)
+FULL = dict(models="smollm2,smollm2:float16,smollm2-q4", rounds=2, warmup=5.0, duration=20.0, streams="1,16,32",
+            answer_tokens=64, prompt_tokens=32, quiet_wait=120.0, max_rest=0.6, exact_questions=16, changed_questions=64)
+SMOKE = dict(models="gpt2-tiny-random,gpt2-tiny-random:float16", rounds=1, warmup=0.5, duration=2.0, streams="1,4",
+             answer_tokens=16, prompt_tokens=16, quiet_wait=0.0, max_rest=float("inf"), exact_questions=1, changed_questions=4)
 MEANING = ("labserver's smollm2 runs float32 PyTorch (the GGUF dequantized once, exact against transformers); "
-           "smollm2-q4 the GGUF's Q4_1 blocks in torch's int4 kernel, in bfloat16 (lossy); llama-server the same "
-           "blocks with llama.cpp's C++ kernels.")
-GOALS = {"1": 0.5, "32": 1.5}  # labserver's default model / llama-server, output tokens/s
+           "smollm2:float16 the same weights in float16 (--dtype float16: exact against transformers in float16, "
+           "whose CPU kernels multiply one row at the memory's pace and several rows slowly); smollm2-q4 the GGUF's "
+           "Q4_1 blocks in torch's int4 kernel, in bfloat16 (lossy); llama-server the same blocks with llama.cpp's "
+           "C++ kernels.")
+GOALS = {"1": 0.5, "32": 1.5}  # labserver / llama-server, output tokens/s, an exact model ...
+GOAL_MODELS = {"1": "smollm2:float16", "32": "smollm2"}  # ... in the dtype whose kernels suit that load
+LOSSY = ("smollm2-q4",)  # compared with the first model's answers, not with transformers'
+
+
+def load_gen(name: str) -> Any:
+    """A model by name, ``name:dtype`` for another dtype of it (``smollm2:float16``)."""
+    spec, _, dtype = name.partition(":")
+    return load_model(spec, device="cpu", kind="generate", dtype=dtype or "auto")
 
 
 def greedy_answers(gen: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -84,11 +94,13 @@ def chat_text(gen: Any, question: str) -> str:
 
 
 def exactness(gens: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """Part 2: the default model against transformers; the 4-bit one's answers against the default's."""
+    """Part 2: each exact model against transformers in its own dtype; the other models' answers against the
+    first's (how many a lossy model, or another dtype, changes)."""
     first, *rest = gens
-    checks = [foldercheck.check(first, chat_text(gens[first], q), args.answer_tokens, "cpu", model=gens[first])
-              for q in QUESTIONS[:args.exact_questions]]
-    out: dict[str, Any] = {"model": first, "checks": checks}
+    out: dict[str, Any] = {"model": first, "checks": {}}
+    for name in [n for n in gens if n not in LOSSY]:
+        out["checks"][name] = [foldercheck.check(name, chat_text(gens[name], q), args.answer_tokens, "cpu",
+                                                 model=gens[name]) for q in QUESTIONS[:args.exact_questions]]
     questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.changed_questions)]
     if rest:
         prompts = [gens[first].encode(chat_text(gens[first], q)) for q in questions]
@@ -112,7 +124,7 @@ def step_rows(gens: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         chunks = roofline.decode_chunks(gen, 1, args.context)
         measured = roofline.step_ms(gen, chunks, 5 if args.smoke else 20)
         gen.release([c.sid for c in chunks])
-        read = roofline.weights(gen)["bytes_read"] if name != "smollm2-q4" else q4_bytes(gen)
+        read = roofline.weights(gen)["bytes_read"] if name not in LOSSY else q4_bytes(gen)
         floor = (read + args.context * gen.kv_bytes_per_token) / (m["read_gb_s"] * 1e9) * 1000
         steps[name] = {"measured_ms": measured, "floor_ms": floor, "bytes_read": read}
     return {"machine": m, "steps": steps}
@@ -148,13 +160,18 @@ def streams(gens: dict[str, Any], exe: Path | None, args: argparse.Namespace) ->
     return runs
 
 
+def exact_of(checks: list[dict[str, Any]]) -> tuple[bool, list[dict[str, Any]]]:
+    """Whether a model's answers count as exact (equal, or parted only at near-ties, and few), and the parted."""
+    parted = [c for c in checks if c["greedy_tokens_equal"] < c["tokens"]]
+    near = all(c["tie_gap"] is not None and c["tie_gap"] <= 1e-3 for c in parted)
+    return near and len(parted) <= max(2, len(checks) // 8), parted
+
+
 def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     first = args.first
     ex = numbers["exact"]
-    parted = [c for c in ex["checks"] if c["greedy_tokens_equal"] < c["tokens"]]
-    near = all(c["tie_gap"] is not None and c["tie_gap"] <= 1e-3 for c in parted)
-    exact = near and len(parted) <= max(2, len(ex["checks"]) // 8)
+    exact = {name: exact_of(checks)[0] for name, checks in ex["checks"].items()}
     for n, runs in numbers["streams"].items():
         label = f"{n} stream{'s' if n != '1' else ''}:"
         for name in numbers["models"]:
@@ -166,20 +183,24 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
             per_round = [per(r[name]["tps"], r[PEER]["tps"]) for r in runs]
             ratio = statistics.median(per_round)
             a, b = (statistics.median(r[w]["tps"] for r in runs) for w in (name, PEER))
-            goal = GOALS.get(n) if name == first == "smollm2" else None
-            passed = None if goal is None else ratio >= goal and exact
-            why = "" if goal is None or exact else "; its answers are not exact"
+            goal = GOALS.get(n) if GOAL_MODELS.get(n) == name else None
+            passed = None if goal is None else ratio >= goal and exact.get(name, False)
+            why = "" if goal is None or exact.get(name, False) else "; its answers are not exact"
             rows.append(row(f"{label} labserver {name} / llama-server output tokens/s", ratio,
                             "(info)" if goal is None else f">= {goal:g}", passed,
                             f"{a:.4g} vs {b:.4g} tokens/s{why}; rounds " + ", ".join(f"{x:.3f}" for x in per_round)))
-    gaps = [f"{c['tie_gap']:.1e}" for c in parted]
-    rows.append(row(f"exact: {first}'s greedy answers equal transformers'", len(ex["checks"]) - len(parted),
-                    f"{len(ex['checks'])} (ties)", exact,
-                    f"{len(ex['checks']) - len(parted)} of {len(ex['checks'])} answers of {args.answer_tokens} tokens "
-                    f"equal; parted only at near-ties: gaps {', '.join(gaps) or 'none'}"))
+    for name, checks in ex["checks"].items():
+        ok, parted = exact_of(checks)
+        gaps = [f"{c['tie_gap']:.1e}" for c in parted]
+        dtype = name.partition(":")[2] or "float32"
+        rows.append(row(f"exact: {name}'s greedy answers equal transformers' in {dtype}", len(checks) - len(parted),
+                        f"{len(checks)} (ties)", ok,
+                        f"{len(checks) - len(parted)} of {len(checks)} answers of {args.answer_tokens} tokens "
+                        f"equal; parted only at near-ties: gaps {', '.join(gaps) or 'none'}"))
     for name in numbers["models"][1:]:
         c = ex[name]
-        rows.append(row(f"lossy: {name}'s greedy answers that differ from {first}'s", c["changed"], "(info)", None,
+        kind = "lossy" if name in LOSSY else "dtype"
+        rows.append(row(f"{kind}: {name}'s greedy answers that differ from {first}'s", c["changed"], "(info)", None,
                         f"{c['changed']} of {c['questions']} answers of {args.answer_tokens} tokens; first changed "
                         f"tokens at {sorted(c['first_change'])[:12]}"))
     roof = numbers["roofline"]
@@ -201,13 +222,15 @@ def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
                 check.positive(m["tps"], f"{n} streams, {name}: tokens/s")
                 check(m["errors"] == 0 and m["sent"] == m["answered"], f"{n} streams, {name}: {m['errors']} errors, "
                       f"{m['sent']} sent, {m['answered']} answered")
-    check(len(numbers["exact"]["checks"]) == args.exact_questions, "exactness: not every question checked")
+    check(all(len(c) == args.exact_questions for c in numbers["exact"]["checks"].values()),
+          "exactness: not every question checked")
     return check
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", help="labserver's models, the first the exact default (default smollm2,smollm2-q4)")
+    ap.add_argument("--models", help="labserver's models, the first the exact default, NAME:DTYPE for another dtype "
+                    "(default smollm2,smollm2:float16,smollm2-q4)")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--warmup", type=float)
     ap.add_argument("--duration", type=float)
@@ -245,7 +268,7 @@ def main() -> int:
         except (PeerUnavailable, ModelLoadError) as e:
             numbers["peer"] = {"error": str(e)}
             print(f"SKIP llama-server: {e}", file=sys.stderr)
-    gens = {name: load_model(name, device="cpu", kind="generate") for name in numbers["models"]}
+    gens = {name: load_gen(name) for name in numbers["models"]}
     numbers["roofline"] = step_rows(gens, args)
     numbers["exact"] = exactness(gens, args)
     numbers["streams"] = streams(gens, exe, args)

@@ -223,6 +223,9 @@ def test_onestream_smoke_measures_streams_exactness_and_the_floor(tmp_path: Path
     targets = [r["target"] for r in numbers["rows"]]
     assert targets[0].startswith("1 stream: labserver gpt2-tiny-random / llama-server")
     assert any(t.startswith("exact: ") for t in targets) and any(t.startswith("roofline: ") for t in targets)
-    assert numbers["exact"]["checks"][0]["greedy_tokens_equal"] == numbers["exact"]["checks"][0]["tokens"]
+    for name in ("gpt2-tiny-random", "gpt2-tiny-random:float16"):  # each dtype against transformers in it
+        (check,) = numbers["exact"]["checks"][name]
+        assert check["greedy_tokens_equal"] == check["tokens"]
+    assert any(t.startswith("1 stream: labserver gpt2-tiny-random:float16 /") for t in targets)
     (r,) = numbers["streams"]["1"]
     assert r["gpt2-tiny-random"]["tps"] > 0 and ("llama-server" in r) == ("error" not in numbers["peer"])

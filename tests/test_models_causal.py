@@ -24,7 +24,7 @@ import torch
 import labserver
 from labserver import wire
 from labserver.engine import StepEngine, make_engine
-from labserver.models import InputRejected, ModelLoadError, kind_of, load_model, minilm_dir
+from labserver.models import Chunk, InputRejected, ModelLoadError, kind_of, load_model, minilm_dir
 from labserver.models.folders import FAMILIES, kv_bytes_per_token
 from labserver.models.paged import PagedLM, TransformersOnly
 from labserver.strategies import Limits, make_strategy
@@ -277,3 +277,36 @@ print("ok")
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "qwen3"])
+def test_half_precision_follows_transformers_in_the_same_dtype(family: str, dtype: str,
+                                                               folders: dict[str, Path]) -> None:
+    """float16 and bfloat16 weights stay [out, in] (their CPU kernels read the transpose slowly) and the
+    pool is attended in float32: every score of a prompt and 6 decode steps stays within the dtype's
+    rounding of transformers' own forward pass in that dtype."""
+    model = load_model(str(folders[family]), device="cpu", dtype=dtype)
+    half = getattr(torch, dtype)
+    width = model.hf_model.config.hidden_size
+    if family == "gpt2":  # Conv1D's [in, out] weight, a view of [out, in] memory
+        w = model.hf_model.transformer.h[0].mlp.c_fc.weight.t()
+        assert w.shape == (4 * width, width)
+    else:  # q, k and v side by side, [out, in]
+        w = model._packed[0].qkv.weight
+        assert w.shape == (sum(model._packed[0].qkv.outs), width)
+    assert w.dtype == half and w.is_contiguous()
+    assert model.kv.compute == torch.float32
+    ids = ids_of(model, "the quick brown fox jumps over the lazy dog and then")
+    seq, table = list(ids), tuple(range(4))
+    model.allocate_kv(len(table), 16)
+    scores = model.logits([Chunk(1, ids, 0, table)])[0]
+    tolerance = {"float16": 2e-2, "bfloat16": 1.5e-1}[dtype]
+    for _ in range(7):
+        with torch.inference_mode():
+            want = model.hf_model(torch.tensor([seq])).logits[0, -1]
+        assert scores.dtype == half
+        assert float((scores.float() - want.float()).abs().max()) <= tolerance * float(want.float().abs().max())
+        seq.append(int(want.argmax()))
+        scores = model.logits([Chunk(1, [seq[-1]], len(seq) - 1, table, decode=True)])[0]
+    model.release([1])

@@ -34,6 +34,7 @@ from transformers import BertTokenizerFast, GPT2Config, GPT2LMHeadModel
 
 from .base import MEANINGLESS, minilm_dir, pick_device, pick_dtype
 from .kvcache import CallPlan
+from .linear import rows_first
 from .paged import Costs, PagedLM
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ def _layer_norm(x: torch.Tensor, ln: torch.nn.LayerNorm) -> torch.Tensor:
 
 
 def _conv1d(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-    """GPT-2's Conv1D is a linear layer whose weight is stored [in, out] (transposed from nn.Linear)."""
+    """GPT-2's Conv1D is a linear layer whose weight is stored [in, out] (transposed from nn.Linear); in half
+    precision ``GPT2Gen`` lays it out [out, in] in memory (a transposed view), which ``addmm`` reads as linear."""
     return torch.addmm(layer.bias, x.reshape(-1, x.shape[-1]), layer.weight).view(*x.shape[:-1], -1)
 
 
@@ -63,6 +65,11 @@ class GPT2Gen(PagedLM):
         super().__init__(name, hf_model, tokenizer, layers=config.n_layer, kv_heads=config.n_head,
                          head_dim=config.n_embd // config.n_head, max_context=config.n_positions, eos_id=eos_id,
                          note=note, start_id=start_id)
+        if rows_first(hf_model.dtype):  # float16, bfloat16: their CPU kernels read [out, in] far faster
+            with torch.no_grad():
+                for block in hf_model.transformer.h:
+                    for conv in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+                        conv.weight.data = conv.weight.detach().t().contiguous().t()  # same numbers, rows first
         tanh_gelu = config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
         self._act = (lambda h: F.gelu(h, approximate="tanh")) if tanh_gelu else hf_model.transformer.h[0].mlp.act
 

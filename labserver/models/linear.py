@@ -4,10 +4,12 @@ A decode step multiplies one row per sequence by every weight of the model: matr
 products, bound by how fast the weights are read. Two ways to read fewer bytes, or read them
 faster, each a projection object called as ``proj(x)``:
 
-- ``Dense``: the float weights, ``[in, out]`` and contiguous (``side_by_side``). On a CPU,
-  torch reads that layout faster than the ``[out, in]`` transformers stores, and several
-  projections of one input (q, k, v; gate, up) become one matmul. Exact: the same numbers,
-  only their order in memory changes.
+- ``Dense``: the float weights, several projections of one input (q, k, v; gate, up) side by
+  side as one matmul, in the layout the dtype's CPU kernel reads fastest (``side_by_side``):
+  float32 ``[in, out]`` (``x @ W``), which torch's CPU matmul reads about 1.4x faster than
+  the ``[out, in]`` transformers stores when one row is multiplied; float16 and bfloat16 keep
+  ``[out, in]`` (``linear(x, W)``): their kernels read the transpose up to 10x slower.
+  Exact: the same numbers, only their order in memory changes.
 - ``Int4``: a GGUF's Q4_1 blocks as they are (32 weights share a scale ``d`` and a minimum
   ``m``; weight = d * q + m, q in 0..15), in torch's int4 CPU kernel: an eighth of float32's
   bytes. The kernel multiplies in bfloat16 (the activations and each block's scale and
@@ -21,23 +23,34 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-__all__ = ["Dense", "GROUP", "Int4", "biases", "q4_1_blocks", "side_by_side"]
+__all__ = ["Dense", "GROUP", "Int4", "biases", "q4_1_blocks", "rows_first", "side_by_side"]
 
 GROUP = 32  # weights per Q4_1 block (one scale and one minimum each)
 
 
+ROWS_FIRST = (torch.float16, torch.bfloat16)  # dtypes whose CPU matmul reads [out, in] fastest
+
+
+def rows_first(dtype: torch.dtype) -> bool:
+    """Whether ``Dense`` keeps this dtype's weights ``[out, in]`` (else ``[in, out]``)."""
+    return dtype in ROWS_FIRST
+
+
 def side_by_side(*linears: Any) -> torch.Tensor:
-    """These ``nn.Linear`` weights (one input) side by side and transposed once: one ``[in, sum of outs]``
-    contiguous tensor, of which each module's weight becomes a view. ``x @ packed`` computes all of them in
-    one matmul, and each module still computes its own part (``F.linear(x, W)`` multiplies by ``W.T``: a
-    block of ``packed``). Nothing is held twice."""
+    """These ``nn.Linear`` weights (one input) side by side in one contiguous tensor, of which each module's
+    weight becomes a view: float32 transposed once, ``[in, sum of outs]`` (``x @ packed``); float16 and
+    bfloat16 ``[sum of outs, in]`` (``F.linear(x, packed)``). One matmul computes all of them, and each
+    module still computes its own part (``F.linear(x, W)``: a block of ``packed``). Nothing is held twice."""
     with torch.no_grad():
-        packed = torch.cat([m.weight.detach() for m in linears], 0).t().contiguous()
+        stacked = torch.cat([m.weight.detach() for m in linears], 0)
+        rows = rows_first(stacked.dtype)
+        packed = stacked.contiguous() if rows else stacked.t().contiguous()
         start = 0
         for m in linears:
             n = m.weight.shape[0]
-            m.weight.data = packed[:, start:start + n].t()
+            m.weight.data = packed[start:start + n] if rows else packed[:, start:start + n].t()
             start += n
     return packed
 
@@ -51,13 +64,16 @@ def biases(*linears: Any) -> torch.Tensor | None:
 
 
 class Dense:
-    """``x @ weight (+ bias)``, the weight ``[in, out]`` contiguous: several ``nn.Linear`` of one input as one."""
+    """Several ``nn.Linear`` of one input as one matmul, ``x W^T (+ bias)``, the weight in its dtype's layout."""
 
     def __init__(self, *linears: Any) -> None:
         self.weight, self.bias = side_by_side(*linears), biases(*linears)
+        self.rows = rows_first(self.weight.dtype)  # [out, in]: F.linear; else [in, out]: x @ W
         self.outs = [m.weight.shape[0] for m in linears]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows:
+            return F.linear(x, self.weight, self.bias)
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
 

@@ -47,14 +47,23 @@ __all__ = ["LlamaGen"]
 def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     """RMSNorm as transformers computes it: in float32, the weight applied in the input's dtype."""
     eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    if x.dtype == torch.float32:  # (the same numbers, two no-op casts fewer: a decode step runs this 61 times)
+        return norm.weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on [tokens, heads, head_dim], pairing dimension i with i + head_dim / 2 (transformers' layout)."""
+def _angles(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation's cos and sin [tokens, 1, head_dim], the sin's first half negated: ``_rotate`` then needs no
+    negation of its own (-(a * b) and a * (-b) are the same number)."""
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [tokens, heads, head_dim], pairing dimension i with i + head_dim / 2 (transformers' layout:
+    x * cos + cat(-x2, x1) * sin)."""
     half = x.shape[-1] // 2
-    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + turned * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 class _Packed:
@@ -115,18 +124,19 @@ class LlamaGen(PagedLM):
         x = body.embed_tokens(ids)  # [tokens, width]: no position added here; RoPE rotates q and k
         t = x.shape[0]
         cos, sin = body.rotary_emb(x, positions[None])  # [1, tokens, head_dim]: each token's own angles
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # broadcast over heads
+        cos, sin = _angles(cos[0, :, None, :], sin[0, :, None, :])  # broadcast over heads
         heads, kv_heads, dim = self.heads, self.kv.heads, self.head_dim
         costs = self.costs
         for i, (layer, w) in enumerate(zip(body.layers, self._packed, strict=True)):
             t0 = time.perf_counter() if costs else 0.0
             attn = layer.self_attn
             h = _rms_norm(x, layer.input_layernorm)
-            q, k, v = w.qkv(h).split(w.qkv.outs, dim=-1)  # q, k and v in one matmul
-            q, k, v = q.view(t, heads, dim), k.view(t, kv_heads, dim), v.view(t, kv_heads, dim)
+            qk, v = w.qkv(h).split((w.qkv.outs[0] + w.qkv.outs[1], w.qkv.outs[2]), dim=-1)  # q, k, v: one matmul
+            qk, v = qk.view(t, heads + kv_heads, dim), v.view(t, kv_heads, dim)
             if self.qk_norm:  # Qwen3: each head normalised before it is rotated
-                q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+                qk = torch.cat((_rms_norm(qk[:, :heads], attn.q_norm), _rms_norm(qk[:, heads:], attn.k_norm)), 1)
+            qk = _rotate(qk, cos, sin)  # every query and key head at once: the same rotation
+            q, k = qk[:, :heads], qk[:, heads:]
             t1 = time.perf_counter() if costs else 0.0
             attended = self.kv.attend(i, q, k, v, plan).reshape(t, heads * dim)  # query heads share KV heads
             t2 = time.perf_counter() if costs else 0.0

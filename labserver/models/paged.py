@@ -33,7 +33,7 @@ import torch
 from .base import Chunk, InputRejected, ModelError, Scored
 from .configs import kv_bytes_per_token
 from .kvcache import CallPlan, PagedKV
-from .linear import side_by_side
+from .linear import Dense
 from .sampling import choose, logprobs_of
 
 __all__ = ["Costs", "PagedLM", "TokenizerText", "TransformersOnly"]
@@ -183,7 +183,7 @@ class PagedLM(TokenizerText):
         self._live: set[int] = set()  # sequences prefilled and not released
         self._head = hf_model.get_output_embeddings()  # (found once: _logits runs every step)
         weight = self._head.weight
-        self._head_t = side_by_side(self._head)  # [width, vocab] (an embedding tied to it reads its rows)
+        self._head_proj = Dense(self._head)  # its dtype's layout (an embedding tied to it reads its rows)
         self.kv = PagedKV(layers, kv_heads, head_dim, weight.device, weight.dtype)
         self.costs: Costs | None = None  # set a Costs to time every call's parts (a benchmark's breakdown)
 
@@ -198,8 +198,7 @@ class PagedLM(TokenizerText):
         raise NotImplementedError
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        head = hidden @ self._head_t  # (tied to the embeddings in GPT-2, SmolLM2 and the small Qwens)
-        return head if self._head.bias is None else head + self._head.bias
+        return self._head_proj(hidden)  # (tied to the embeddings in GPT-2, SmolLM2 and the small Qwens)
 
     # -- the two steps (one computation: a decode is a chunk of one token) ------------------
     def allocate_kv(self, blocks: int, block_tokens: int) -> None:
