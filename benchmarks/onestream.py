@@ -39,9 +39,9 @@ from typing import Any
 
 import foldercheck  # (benchmarks/ is the script's folder: on the path)
 import realmodel
-import roofline
 from genperf import Checks, exit_status, per, row, write_results
 
+from labserver.experiments import roofline
 from labserver.experiments.peers import PeerUnavailable
 from labserver.experiments.runs import machine_info
 from labserver.load.prompts import QUESTIONS
@@ -116,28 +116,16 @@ def exactness(gens: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
 
 def step_rows(gens: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """Part 1: the machine's read bandwidth; each model's one-sequence decode step against its memory floor."""
-    ns = argparse.Namespace(bandwidth_mb=64 if args.smoke else 1024, repeats=3 if args.smoke else 7,
-                            matmul_n=256 if args.smoke else 2048)
-    m = roofline.machine(ns)
+    m = roofline.machine(64 if args.smoke else 1024, 3 if args.smoke else 7, 256 if args.smoke else 2048)
     steps = {}
     for name, gen in gens.items():
         chunks = roofline.decode_chunks(gen, 1, args.context)
         measured = roofline.step_ms(gen, chunks, 5 if args.smoke else 20)
         gen.release([c.sid for c in chunks])
-        read = roofline.weights(gen)["bytes_read"] if name not in LOSSY else q4_bytes(gen)
+        read = roofline.bytes_read(gen)
         floor = (read + args.context * gen.kv_bytes_per_token) / (m["read_gb_s"] * 1e9) * 1000
         steps[name] = {"measured_ms": measured, "floor_ms": floor, "bytes_read": read}
     return {"machine": m, "steps": steps}
-
-
-def q4_bytes(gen: Any) -> int:
-    """Bytes a 4-bit model's decode step reads: the layers' packed blocks and scales, the float head and norms."""
-    total = roofline.weights(gen)
-    layers = sum(p.weight.numel() * p.weight.element_size() for layer in gen.hf_model.model.layers
-                 for p in layer.modules() if hasattr(p, "weight") and p.weight is not None and p.weight.dim() == 2)
-    packed = sum(w.packed.numel() * w.packed.element_size() + w.scales_zeros.numel() * w.scales_zeros.element_size()
-                 for layer in gen._packed for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-    return int(total["bytes_read"] - layers + packed)
 
 
 def streams(gens: dict[str, Any], exe: Path | None, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:

@@ -32,163 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections import defaultdict
 from pathlib import Path
-from typing import Any
-
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labserver.models import Chunk, load_model  # noqa: E402
-
-SLICES = {  # op name -> slice (ops not named: "other ops")
-    "aten::mm": "matmuls", "aten::addmm": "matmuls", "aten::bmm": "matmuls",
-    "aten::scaled_dot_product_attention": "attention", "aten::_scaled_dot_product_flash_attention_for_cpu":
-    "attention", "aten::softmax": "attention", "aten::_softmax": "attention", "aten::index_select": "KV gather/write",
-    "aten::index": "KV gather/write", "aten::index_put_": "KV gather/write", "aten::_index_put_impl_": "KV gather/write",
-    "aten::gather": "KV gather/write", "aten::scatter_": "KV gather/write", "aten::copy_": "copies",
-    "aten::cat": "copies", "aten::contiguous": "copies", "aten::clone": "copies",
-    "aten::mul": "elementwise and norms", "aten::add": "elementwise and norms", "aten::rsqrt": "elementwise and norms",
-    "aten::pow": "elementwise and norms", "aten::mean": "elementwise and norms", "aten::silu": "elementwise and norms",
-    "aten::neg": "elementwise and norms", "aten::add_": "elementwise and norms", "aten::mul_": "elementwise and norms",
-    "aten::div": "elementwise and norms", "aten::sub": "elementwise and norms", "aten::sin": "elementwise and norms",
-    "aten::cos": "elementwise and norms", "aten::layer_norm": "elementwise and norms",
-    "aten::native_layer_norm": "elementwise and norms", "aten::gelu": "elementwise and norms",
-    "aten::tanh": "elementwise and norms", "aten::embedding": "elementwise and norms",
-    "aten::rms_norm": "elementwise and norms", "aten::_fused_rms_norm": "elementwise and norms",
-    **{f"aten::{v}": "views and wrappers" for v in ("transpose", "as_strided", "t", "view", "reshape", "expand",
-                                                     "slice", "select", "unsqueeze", "squeeze", "permute", "empty",
-                                                     "linear", "matmul", "_unsafe_view", "empty_strided",
-                                                     "alias", "detach", "narrow", "flatten", "split", "chunk",
-                                                     "unbind", "resize_", "to", "_to_copy", "lift_fresh")},
-    "aten::argmax": "sampling", "aten::topk": "sampling", "aten::sort": "sampling", "aten::multinomial": "sampling",
-    "aten::log_softmax": "sampling", "aten::max": "sampling",
-}
-
-
-def median_s(fn: Any, repeats: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def machine(args: argparse.Namespace) -> dict[str, float]:
-    n = args.bandwidth_mb * 2**20 // 4
-    a = torch.ones(n, dtype=torch.float32)
-    b = torch.empty_like(a)
-    read_s = median_s(lambda: a.sum(), args.repeats)
-    copy_s = median_s(lambda: b.copy_(a), args.repeats)
-    out: dict[str, float] = {"read_gb_s": n * 4 / read_s / 1e9, "copy_gb_s": 2 * n * 4 / copy_s / 1e9,
-                             "threads": torch.get_num_threads()}
-    del a, b
-    k = args.matmul_n
-    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        x, y = torch.randn(k, k).to(dtype), torch.randn(k, k).to(dtype)
-        out[f"matmul_{name}_gflop_s"] = 2 * k**3 / median_s(lambda x=x, y=y: x @ y, args.repeats) / 1e9
-    return out
-
-
-def weights(gen: Any) -> dict[str, int]:
-    """Bytes and parameters one decode step reads: every weight once; the embedding table as the output head."""
-    hf = gen.hf_model
-    params = {id(p): p for p in hf.parameters()}  # (tied weights counted once)
-    total = sum(p.numel() * p.element_size() for p in params.values())
-    n = sum(p.numel() for p in params.values())
-    emb = hf.get_input_embeddings().weight
-    head = hf.get_output_embeddings().weight
-    tied = head.data_ptr() == emb.data_ptr()
-    # an untied embedding is read a row per sequence, not whole: leave it out of the bytes a step reads
-    read = total if tied else total - emb.numel() * emb.element_size()
-    cfg = hf.config
-    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer")
-    return {"bytes_read": read, "params": n, "matmul_params": n - (0 if tied else emb.numel()),
-            "head_params": head.numel(), "vocab": head.shape[0], "width": head.shape[1], "layers": int(layers),
-            "tied": int(tied)}
-
-
-def decode_chunks(gen: Any, b: int, context: int) -> list[Chunk]:
-    """``b`` sequences of ``context`` tokens prefilled in the model's pool; their decode chunks."""
-    per = -(-(context + 8) // 16)
-    gen.allocate_kv(b * per, 16)
-    chunks = []
-    for i in range(b):
-        table = tuple(range(i * per, (i + 1) * per))
-        ids = [(7 * i + k) % 1000 + 10 for k in range(context)]
-        last = gen.forward([Chunk(i + 1, ids, 0, table)])[0]
-        chunks.append(Chunk(i + 1, [int(last)], context, table, decode=True))
-    return chunks
-
-
-def step_ms(gen: Any, chunks: list[Chunk], steps: int) -> float:
-    times = []
-    for k in range(steps + 3):
-        t = time.perf_counter()
-        gen.forward(chunks)  # (the same position again: its KV rewritten, the cost a step has)
-        if k >= 3:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
-
-
-def profile_step(gen: Any, chunks: list[Chunk], vocab: int, steps: int) -> dict[str, float]:
-    """One sequence's decode step, ``steps`` times under the profiler: ms a step by slice, and the rest."""
-    from torch.profiler import ProfilerActivity, profile
-
-    gen.forward(chunks)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            gen.forward(chunks)
-        wall_ms = (time.perf_counter() - t) * 1000 / steps
-    slices: dict[str, float] = defaultdict(float)
-    by_op: dict[str, float] = defaultdict(float)
-    calls: dict[str, int] = defaultdict(int)
-    for e in prof.key_averages(group_by_input_shape=True):
-        name = SLICES.get(e.key, "other ops")
-        if name == "matmuls" and str(vocab) in str(e.input_shapes):
-            name = "output head (logits)"
-        slices[name] += e.self_cpu_time_total / 1000 / steps
-        by_op[e.key] += e.self_cpu_time_total / 1000 / steps
-        calls[e.key] += e.count // steps
-    ops = sum(slices.values())
-    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:12]
-    return {"wall_ms": wall_ms, "ops_ms": ops, **{k: round(v, 4) for k, v in sorted(slices.items())},
-            "between ops (Python, dispatch)": max(0.0, wall_ms - ops),
-            "top_ops": [(k, round(v, 4), calls[k]) for k, v in top], "op_calls": sum(calls.values())}
-
-
-def layouts(gen: Any, repeats: int) -> dict[str, float]:
-    """One sequence's matrix-vector products over the model's own weights, in two layouts, GB/s read: as
-    ``linear(x, W)`` (W as stored, [out, in]) and as ``x @ Wt`` (its transpose made contiguous once); the
-    layers' weights are cycled through, so they come from memory, as in a step."""
-    import torch.nn.functional as F
-
-    hf = gen.hf_model
-    head = hf.get_output_embeddings().weight.detach()
-    layers = [m.weight.detach() for m in hf.modules() if isinstance(m, torch.nn.Linear) and m.weight is not head]
-    flipped = [w.t().contiguous() for w in layers]
-    xs = {n: torch.randn(1, n) for n in {w.shape[1] for w in layers} | {head.shape[1]}}
-    layer_mb = sum(w.numel() * w.element_size() for w in layers) / 1e6
-    head_mb = head.numel() * head.element_size() / 1e6
-    out = {}
-    with torch.inference_mode():
-        out["layers_linear_gb_s"] = layer_mb / 1e3 / median_s(lambda: [F.linear(xs[w.shape[1]], w) for w in layers],
-                                                             repeats)
-        out["layers_transposed_gb_s"] = layer_mb / 1e3 / median_s(lambda: [xs[w.shape[0]] @ w for w in flipped],
-                                                                 repeats)
-        flipped_head = head.t().contiguous()
-        x = xs[head.shape[1]]
-        out["head_linear_gb_s"] = head_mb / 1e3 / median_s(lambda: F.linear(x, head), repeats)
-        out["head_transposed_gb_s"] = head_mb / 1e3 / median_s(lambda: x @ flipped_head, repeats)
-    return out
+from labserver.experiments.roofline import decode_chunks, layouts, machine, profile_step, step_ms, weights  # noqa: E402
+from labserver.models import load_model  # noqa: E402
 
 
 def main() -> int:
@@ -208,7 +59,7 @@ def main() -> int:
         args.model, args.batches, args.steps, args.repeats = "gpt2-tiny-random", "1,4", 3, 2
         args.bandwidth_mb, args.matmul_n, args.context = 64, 256, 16
     gen = load_model(args.model, device="cpu", kind="generate")
-    m = machine(args)
+    m = machine(args.bandwidth_mb, args.repeats, args.matmul_n)
     w = weights(gen)
     kv = gen.kv_bytes_per_token
     rows = []

@@ -63,6 +63,10 @@ def biases(*linears: Any) -> torch.Tensor | None:
                       else m.bias.detach() for m in linears])
 
 
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 class Dense:
     """Several ``nn.Linear`` of one input as one matmul, ``x W^T (+ bias)``, the weight in its dtype's layout."""
 
@@ -70,6 +74,11 @@ class Dense:
         self.weight, self.bias = side_by_side(*linears), biases(*linears)
         self.rows = rows_first(self.weight.dtype)  # [out, in]: F.linear; else [in, out]: x @ W
         self.outs = [m.weight.shape[0] for m in linears]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a multiplication reads: the weight (and bias)."""
+        return _nbytes(self.weight, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows:
@@ -111,6 +120,11 @@ class Int4:
         self.scales_zeros = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).contiguous().to(torch.bfloat16)
         self.bias = bias
         self.outs = [p[0].shape[0] for p in parts]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a multiplication reads: the packed blocks, their scales and minimums (and the bias)."""
+        return _nbytes(self.packed, self.scales_zeros, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,
