@@ -28,7 +28,7 @@ def smoke(script: str, out: Path, *args: str, timeout: int = 600) -> tuple[subpr
 def test_perf_script_prints_every_target(tmp_path: Path) -> None:
     out = tmp_path / "perf.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "perf.py"), "--model", "synthetic:20+1", "--duration", "1",
+        [sys.executable, str(ROOT / "benchmarks" / "perf.py"), "--model", "synthetic:20+1", "--duration", "0.5",
          "--rounds", "1", "--slo", "--smoke", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )
