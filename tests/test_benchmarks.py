@@ -156,8 +156,9 @@ def test_overload_smoke_measures_every_discipline_priority_and_tenant(tmp_path: 
 
 
 def test_padperf_smoke_measures_both_rules_and_their_padding(tmp_path: Path) -> None:
-    run, numbers = smoke("padperf.py", tmp_path / "padperf.json", "--seconds", "3", "--warmup", "0.5", "--users", "48",
-                         "--rounds", "1")
+    # short texts and small batches: minilm on 2 shared cores still answers many in a 2 s window
+    run, numbers = smoke("padperf.py", tmp_path / "padperf.json", "--seconds", "2", "--warmup", "0.5", "--users", "16",
+                         "--max-batch", "8", "--budget", "512", "--median", "10", "--p99", "60", "--rounds", "1")
     (r,) = numbers["runs"]["rounds"]
     assert {"thread@sat", "tokens@sat", "naive@sat", "thread@70", "tokens@70", "thread@same", "tokens@same",
             "offline", "offline_1thread"} <= set(r)
