@@ -145,8 +145,8 @@ def test_routeperf_smoke_simulates_every_policy_row(tmp_path: Path) -> None:
 
 def test_overload_smoke_measures_every_discipline_priority_and_tenant(tmp_path: Path) -> None:
     run, numbers = smoke("overload.py", tmp_path / "overload.json", "--encoder-models", "synthetic:20+2", "--seconds",
-                         "2", "--recovery", "2", "--probe-s", "2", "--interactive", "20", "--unloaded-rate", "20",
-                         "--fair-s", "2")
+                         "1.5", "--recovery", "1", "--probe-s", "1", "--interactive", "10", "--unloaded-rate", "20",
+                         "--fair-s", "1.5")
     runs = numbers["runs"]["encoders"]["synthetic:20+2"]["runs"]
     assert set(runs) == {"fifo", "fifo+cap", "codel", "adaptive-lifo", "deadline"}
     # at twice the capacity the capped queue and deadline admission refused some, each with its reason
