@@ -3,7 +3,7 @@
     python benchmarks/perf.py                 # labserver's own ratios (~5 min on 2 cores)
     python benchmarks/perf.py --peers         # + LitServe and Ray Serve baselines (~3 min more)
     python benchmarks/perf.py --device cuda --model bert-base-random   # the GPU target
-    python benchmarks/perf.py --model synthetic:20+1 --duration 1 --rounds 1 --slo --smoke   # smoke
+    python benchmarks/perf.py --model synthetic:20+1 --duration 0.5 --rounds 1 --slo --smoke   # smoke
 
 Absolute numbers move with the machine's load; the ratios are what this prints, each
 against its target, PASS or FAIL, and writes as JSON (``--out``). labserver's own
@@ -20,7 +20,8 @@ Peers (LitServe, Ray Serve) run from a separate virtual environment
 with a finite value (SKIP aside), every closed-loop run answered in full and without errors,
 the client's answers equal to the items the server's batches computed, every idle pair, SLO
 probe and generator run there and finite. It exits 0 when those hold, else 1 with each
-failed check on stderr.
+failed check on stderr. A smoke run also shortens what is not a measurement (warm-ups and
+offline runs to a quarter, SLO sweeps to 3 probes, the virtual clock's sweeps to 2000 arrivals).
 """
 
 from __future__ import annotations
@@ -52,10 +53,12 @@ HERE = Path(__file__).resolve().parent
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank today."  # 16 tokens
 PAYLOAD = SENTENCE  # replaced for bert-base-random in main()
 PEERS_PY = HERE / ".peers" / "bin" / "python"
+WARM = 1.0  # scales every fixed warm-up and offline time; --smoke sets 0.25 (its figures are not measurements)
 
 
 def closed(url: str, users: int, duration_s: float, mode: str = "text", warmup_s: float = 2.0) -> dict[str, float]:
     """A closed-loop run's figures; ``sent`` and ``answered`` count the warm-up too (as the server's batches do)."""
+    warmup_s *= WARM
     result = run_load_sync(url, users=users, duration_s=duration_s + warmup_s, warmup_s=warmup_s, payload=PAYLOAD,
                            mode=mode, progress=False, timeout_s=120)
     s = analysis.summarize(result.records)
@@ -113,11 +116,11 @@ def interleaved(model: Any, device: str, d: float, n_rounds: int,
     rounds = []
     for i in range(n_rounds):
         print(f"round {i + 1}/{n_rounds} ...", file=sys.stderr)
-        r: dict[str, Any] = {"offline_bs64": offline_rate(model, 64, max(3.0, d / 2))}
+        r: dict[str, Any] = {"offline_bs64": offline_rate(model, 64, max(3.0 * WARM, d / 2))}
         order = list(servers.items())
         for name, cfg in order if i % 2 == 0 else order[::-1]:  # neither side always runs first
             with start(cfg, model, device) as h:
-                closed(h.url, 8, 1.0, warmup_s=0.5)  # warm the connections and the model's thread
+                closed(h.url, 8, WARM, warmup_s=0.5)  # warm the connections and the model's thread
                 for users in PLAN[name]:
                     seen = len(h.batches())
                     out = closed(h.url, users, d, warmup_s=1.0)
@@ -137,7 +140,7 @@ def idle_pairs(model: Any, device: str, seconds: float, n_pairs: int,
     try:
         for name, cfg in servers.items():
             handles[name] = start(cfg, model, device)
-            closed(handles[name].url, 1, 1.0, warmup_s=0.5)
+            closed(handles[name].url, 1, WARM, warmup_s=0.5)
         pairs = []
         for i in range(n_pairs):
             names = list(handles) if i % 2 == 0 else list(handles)[::-1]
@@ -171,11 +174,11 @@ def slo_capacity(model: Any, device: str, d: float, n_rounds: int,
             for slo in SLOS_MS:
                 own = {**cfg, "target_ms": slo} if cfg["strategy"] == "slo" else cfg
                 with start(own, model, device) as h:
-                    closed(h.url, 8, 1.0, warmup_s=0.5)
+                    closed(h.url, 8, WARM, warmup_s=0.5)
 
                     def at(rate: float, url: str = h.url) -> Any:
-                        return run_load_sync(url, arrival="poisson", rate_per_s=rate, duration_s=d + 1, warmup_s=1,
-                                             payload=PAYLOAD, progress=False, timeout_s=30, seed=int(rate))
+                        return run_load_sync(url, arrival="poisson", rate_per_s=rate, duration_s=d + WARM,
+                                             warmup_s=WARM, payload=PAYLOAD, progress=False, timeout_s=30, seed=int(rate))
 
                     found = analysis.sweep(at, slo, start_rate, rel_tol=0.05, max_probes=max_probes)
                 r[f"{name}@{slo:g}"] = {"rate": found.best_rate or 0.0,
@@ -188,7 +191,7 @@ def slo_capacity(model: Any, device: str, d: float, n_rounds: int,
 
 def offline_curve(model: Any, sizes: tuple[int, ...] = (1, 4, 16, 64), seconds: float = 1.5) -> dict[int, float]:
     """Model ms per batch at each size, called directly (the cost the virtual clock replays)."""
-    return {n: n / offline_rate(model, n, seconds) * 1000 for n in sizes}
+    return {n: n / offline_rate(model, n, seconds * WARM) * 1000 for n in sizes}
 
 
 def virtual_capacity(cost_ms: Any, slo_ms: float, servers: dict[str, dict[str, Any]], n: int = 6000,
@@ -224,7 +227,7 @@ def virtual_capacity(cost_ms: Any, slo_ms: float, servers: dict[str, dict[str, A
 
 def with_server(cfg: dict[str, Any], model: Any, device: str, fn: Any) -> Any:
     with start(cfg, model, device) as h:
-        closed(h.url, 8, 1.0)  # warm up the model and the connections
+        closed(h.url, 8, WARM)  # warm up the model and the connections
         return fn(h.url)
 
 
@@ -285,7 +288,7 @@ def against_peer(kind: str, port: int, d: float, n_rounds: int, best: dict[str, 
         rounds = []
         for _ in range(n_rounds):
             with start(best, model, device) as h:
-                closed(h.url, 8, 1.0, warmup_s=0.5)
+                closed(h.url, 8, WARM, warmup_s=0.5)
                 mine = closed(h.url + "/predict", 64, d, mode="json", warmup_s=1.0)
             rounds.append({"labserver": mine, kind: closed(url, 64, d, mode="json", warmup_s=1.0)})
         return {"rounds": rounds, "memory_mb": _tree_rss_mb(pid)}
@@ -411,8 +414,9 @@ def main() -> int:
                     help="exit on checks of what was measured (rows, counts, no errors), not on the targets")
     args = ap.parse_args()
     d, dev, model = args.duration, args.device, args.model
-    global PAYLOAD
+    global PAYLOAD, WARM
     PAYLOAD = text_for(model)
+    WARM = 0.25 if args.smoke else 1.0
     best = dict(strategy="adaptive", max_batch_size=64)
     guide = dict(strategy="per-fetch", max_batch_size=None, max_wait_ms=1.0)
     numbers: dict[str, Any] = {"machine": machine_info(dev)}
@@ -448,7 +452,7 @@ def main() -> int:
                         "CPU run; on a GPU: --device cuda --model bert-base-random"))
 
     print("one client, side by side ...", file=sys.stderr)
-    numbers["idle_pairs"] = pairs = idle_pairs(loaded, dev, max(2.0, d / 2), 3 * args.rounds,
+    numbers["idle_pairs"] = pairs = idle_pairs(loaded, dev, max(2.0 * WARM, d / 2), 3 * args.rounds,
                                                {"best": best, "naive": {"strategy": "naive"}, "guide": guide})
     idle = statistics.median(p["best"] - p["naive"] for p in pairs)
     diffs = sorted(p["best"] - p["naive"] for p in pairs)
@@ -499,7 +503,8 @@ def main() -> int:
         numbers["virtual_capacity"] = virtual = {"cost_ms": {"a": a, "b": b, "curve": curve}}
         for speed in (1, 20):
             for slo in SLOS_MS:
-                caps = virtual_capacity(lambda n, s=speed: (a + b * n) / s, slo, slo_servers)
+                caps = virtual_capacity(lambda n, s=speed: (a + b * n) / s, slo, slo_servers,
+                                        n=2000 if args.smoke else 6000)
                 virtual[f"x{speed}@{slo:g}"] = caps
                 rows.append(row(f"3 SLO virtual: best/guide, cost/{speed}, p99 <= {slo:g} ms",
                                 caps["best"] / caps["guide"], "(explains)", None,
@@ -527,7 +532,7 @@ def main() -> int:
     target_rate = 2 * capacity
     print(f"generator ceiling at {target_rate:.0f}/s against echo ...", file=sys.stderr)
     with labserver.serve("thread", "echo", max_batch_size=64) as h:
-        res = run_load_sync(h.url, arrival="poisson", rate_per_s=target_rate, duration_s=d + 1, warmup_s=1,
+        res = run_load_sync(h.url, arrival="poisson", rate_per_s=target_rate, duration_s=d + WARM, warmup_s=WARM,
                             payload=SENTENCE, progress=False)
     late = float(res.meta.get("late_fraction", float("nan")))
     achieved = float(res.meta.get("achieved_send_rate_per_s", float("nan")))

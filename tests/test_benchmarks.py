@@ -28,7 +28,7 @@ def smoke(script: str, out: Path, *args: str, timeout: int = 600) -> tuple[subpr
 def test_perf_script_prints_every_target(tmp_path: Path) -> None:
     out = tmp_path / "perf.json"
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "perf.py"), "--model", "synthetic:20+1", "--duration", "1",
+        [sys.executable, str(ROOT / "benchmarks" / "perf.py"), "--model", "synthetic:20+1", "--duration", "0.5",
          "--rounds", "1", "--slo", "--smoke", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )
@@ -145,8 +145,8 @@ def test_routeperf_smoke_simulates_every_policy_row(tmp_path: Path) -> None:
 
 def test_overload_smoke_measures_every_discipline_priority_and_tenant(tmp_path: Path) -> None:
     run, numbers = smoke("overload.py", tmp_path / "overload.json", "--encoder-models", "synthetic:20+2", "--seconds",
-                         "2", "--recovery", "2", "--probe-s", "2", "--interactive", "20", "--unloaded-rate", "20",
-                         "--fair-s", "2")
+                         "1.5", "--recovery", "1", "--probe-s", "1", "--interactive", "10", "--unloaded-rate", "20",
+                         "--fair-s", "1.5")
     runs = numbers["runs"]["encoders"]["synthetic:20+2"]["runs"]
     assert set(runs) == {"fifo", "fifo+cap", "codel", "adaptive-lifo", "deadline"}
     # at twice the capacity the capped queue and deadline admission refused some, each with its reason
@@ -156,8 +156,9 @@ def test_overload_smoke_measures_every_discipline_priority_and_tenant(tmp_path: 
 
 
 def test_padperf_smoke_measures_both_rules_and_their_padding(tmp_path: Path) -> None:
-    run, numbers = smoke("padperf.py", tmp_path / "padperf.json", "--seconds", "3", "--warmup", "0.5", "--users", "48",
-                         "--rounds", "1")
+    # short texts and small batches: minilm on 2 shared cores still answers many in a 2 s window
+    run, numbers = smoke("padperf.py", tmp_path / "padperf.json", "--seconds", "2", "--warmup", "0.5", "--users", "16",
+                         "--max-batch", "8", "--budget", "512", "--median", "10", "--p99", "60", "--rounds", "1")
     (r,) = numbers["runs"]["rounds"]
     assert {"thread@sat", "tokens@sat", "naive@sat", "thread@70", "tokens@70", "thread@same", "tokens@same",
             "offline", "offline_1thread"} <= set(r)

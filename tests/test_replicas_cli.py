@@ -39,14 +39,15 @@ def serve_cli(*flags: str) -> subprocess.Popen[str]:
 
 
 def test_serve_replicas_from_the_shell_drains_on_sigterm() -> None:
-    # 30 ms a token: 450 tokens outlast the drain's 10 s grace, so the stream is cut by the drain, not finished
-    proc = serve_cli("--model", "synthetic-gen:5+30", "--api-key", "sk-shell")
+    # 30 ms a token: 200 tokens outlast the drain's 2 s grace (--drain-grace; 10 s by default, which they would
+    # not), so the stream is cut by the drain, not finished
+    proc = serve_cli("--model", "synthetic-gen:5+30", "--api-key", "sk-shell", "--drain-grace", "2")
     stream: dict[str, Any] = {}
     first_token = threading.Event()
 
     def long_stream(url: str) -> None:
         with httpx.stream("POST", url + "/generate", headers=KEY, timeout=120,
-                          json={"prompt": "a long one", "max_new_tokens": 450, "stream": True}) as r:
+                          json={"prompt": "a long one", "max_new_tokens": 200, "stream": True}) as r:
             body = ""
             for chunk in r.iter_text():
                 body += chunk
@@ -89,7 +90,7 @@ def test_serve_replicas_from_the_shell_drains_on_sigterm() -> None:
         assert refused.headers["retry-after"]
         reader.join(60)
         kinds = [k for k, _ in stream["events"]]
-        assert kinds[-1] == "error" and 0 < kinds.count("token") < 450, kinds[-3:]  # cut short by the drain
+        assert kinds[-1] == "error" and 0 < kinds.count("token") < 200, kinds[-3:]  # cut short by the drain
         assert stream["events"][-1][1]["error"]["type"] == "shutting_down"
 
         code = proc.wait(timeout=120)

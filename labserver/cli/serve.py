@@ -39,6 +39,9 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                         "is closed (default: %(default)s)")
     p.add_argument("--max-connections", type=int, default=_CONFIG.max_connections,
                    help="open connections; one more gets a 503 and is closed (default: %(default)s)")
+    p.add_argument("--drain-grace", type=float, default=_CONFIG.drain_grace_s, metavar="S",
+                   help="on Ctrl-C or SIGTERM, finish queued and running work for up to S seconds, then answer "
+                        "503 shutting_down (default: %(default)s)")
     p.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="ask every request but GET /health for Authorization: Bearer KEY (repeat for several; "
                         "default: $LABSERVER_API_KEY, comma-separated, else none)")
@@ -67,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=limits_from(args), host=args.host, port=args.port, debug=args.debug,
         max_body_bytes=args.max_body_bytes, max_inputs=args.max_inputs, max_prompts=args.max_prompts,
         max_chars=args.max_chars, max_new_tokens=args.max_new_tokens, log_level=args.log_level,
-        read_timeout_s=args.read_timeout, max_connections=args.max_connections,
+        read_timeout_s=args.read_timeout, max_connections=args.max_connections, drain_grace_s=args.drain_grace,
         api_keys=tuple(args.api_key or ()), cache_isolation=args.cache_isolation,
     )
     if args.replicas is not None:

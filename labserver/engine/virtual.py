@@ -106,6 +106,7 @@ class VirtualQueue:
         self.line = Line(strategy.discipline if strategy else None, self._shed)
         self.outcomes: list[Outcome] = []
         self.batch_cap = strategy.batch_cap if strategy else math.inf  # the most one batch carries
+        self._soonest_s = math.inf  # no deadline in the line passes before this: _expire need not scan it
 
     def __len__(self) -> int:
         return len(self.line)
@@ -139,10 +140,13 @@ class VirtualQueue:
 
     def _expire(self, until_s: float) -> None:
         """Requests whose deadline passed by ``until_s`` leave the line then: the client's 504."""
+        if until_s < self._soonest_s:  # (without timeouts, always: a scan per arrival made a backlog quadratic)
+            return
         expired: list[Item] = []
         self.line.remove_if(lambda item: item.deadline_s <= until_s and not expired.append(item))
         for item in expired:
             self._refuse(self.outcomes[int(item.request_id)], 504, "expired", item.deadline_s)
+        self._soonest_s = min((item.deadline_s for item in self.line), default=math.inf)
 
     def _admit(self) -> None:
         while self._pending and self._pending[0][0] <= self.now_s:
@@ -158,6 +162,7 @@ class VirtualQueue:
             self.outcomes.append(outcome)
             if self._door(item, outcome):
                 self.line.put(item)
+                self._soonest_s = min(self._soonest_s, item.deadline_s)
         self._expire(self.now_s)
 
     def tokens_of(self, k: int | str) -> int:
@@ -196,6 +201,7 @@ class VirtualQueue:
 
     def putback(self, item: Any) -> None:
         self.line.putback(item)
+        self._soonest_s = min(self._soonest_s, getattr(item, "deadline_s", math.inf))
 
     async def get(self, timeout_s: float | None = None) -> Item | None:
         if self.over:
