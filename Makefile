@@ -11,6 +11,8 @@
 
 PYTHON ?= python3
 TORCH_INDEX ?=
+# make test's pytest workers (pytest-xdist); the tests that start Ray share one (tests/conftest.py)
+JOBS ?= 2
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
@@ -29,7 +31,7 @@ $(STAMP): pyproject.toml requirements-model.txt
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(JOBS) --dist loadgroup
 
 compare: $(STAMP)
 	$(VENV)/bin/labserver compare

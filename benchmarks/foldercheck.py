@@ -54,7 +54,7 @@ def check(folder: str, prompt: str, n: int, device: str, model: Any = None) -> d
         seq.append(int(scores.argmax()))
         scores = model.logits([Chunk(1, [seq[-1]], len(seq) - 1, table)])[0]
         with torch.inference_mode():
-            out = hf(torch.tensor([seq[-1:]], device=hf.device), past_key_values=out.past_key_values, use_cache=True)
+            out = hf(torch.tensor([seq[-1:]], device=hf.device), cache=out.cache, use_cache=True)
     model.release([1])
     ours = generate_alone(model, ids, n)
     with torch.inference_mode():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,28 @@ from typing import Any
 import pytest
 
 from .fakes import GateModel
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``pytest -n`` (``make test``), each worker's torch (and every process it starts) computes on one
+    thread: two workers with a team of two threads each would oversubscribe two cores, and an OpenMP team
+    whose workers wait for a core makes every small op wait for them (a step ten times slower)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+
+
+RAY_TESTS = ("tests/test_replicas.py", "tests/test_replicas_cli.py", "test_notebook_runs[10_replicas")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under ``pytest -n`` (``make test``), the tests that start a local Ray run one after another on one
+    worker: two Ray instances at once would double the processes each starts on two cores."""
+    for item in items:
+        if any(part in item.nodeid for part in RAY_TESTS):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture

@@ -149,7 +149,12 @@ def test_a_thread_can_give_back_its_openmp_workers() -> None:
 
     from labserver.models import release_openmp_threads
 
-    torch.randn(256, 256) @ torch.randn(256, 256)  # this thread's team, made
-    if sys.platform.startswith("linux") and torch.get_num_threads() > 1:
-        assert release_openmp_threads() is True
-    (torch.randn(256, 256) @ torch.randn(256, 256)).sum()  # and torch works on after it (a new team)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (a team of one thread has no workers: make test's workers compute on one)
+    try:
+        torch.randn(256, 256) @ torch.randn(256, 256)  # this thread's team, made
+        if sys.platform.startswith("linux"):
+            assert release_openmp_threads() is True
+        (torch.randn(256, 256) @ torch.randn(256, 256)).sum()  # and torch works on after it (a new team)
+    finally:
+        torch.set_num_threads(threads)

@@ -201,7 +201,7 @@ def test_client_leaving_mid_stream_stops_its_decoding(stepped: tuple[labserver.S
     assert decodes[n_begun:] and all(1 not in ids for ids in decodes[n_begun:])
     assert sum(1 in ids for ids in decodes) <= 4  # the 3 steps whose tokens it read, plus the one in flight
     wait_until(lambda: h.stats()["left_while_generating"] == 1)
-    assert model.cached == 0
+    wait_until(lambda: model.cached == 0)  # (its KV is released just after it is counted, on the model's thread)
 
 
 # -- the same on the small real model (GPT-2 shape, random weights, our slot KV cache) -------------
