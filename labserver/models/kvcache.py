@@ -28,7 +28,7 @@ On a GPU, vLLM's attention kernel reads the blocks in place; on a CPU without on
 gather is the price of paging (``docs/memory.md`` has what it costs on 2 cores). On a CPU,
 a float16 or bfloat16 pool is attended in float32 (the gathered keys, values and queries
 widened, the output rounded back): torch's CPU attention accumulates in float32 either way,
-and widening first is about 5x faster for one decode token on 2 cores.
+and widening first was faster for one decode token on 2 cores (``docs/models.md``).
 
 What this is not: fused or fast; no kernel reads the blocks in place.
 """
