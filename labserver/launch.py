@@ -27,6 +27,7 @@ from .config import DEFAULT_STRATEGY, ServerConfig, default_model
 from .models import GenModel, Model, ModelLoadError, release_openmp_threads
 from .server import Runtime, create_app, stats_dict
 from .server.connections import protocol_class
+from .wire import allow_open_files
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class _Server(uvicorn.Server):
 
 def build_server(config: ServerConfig, model: Model | GenModel | None = None, signals: bool = False) -> _Server:
     app = create_app(config, model)
+    allow_open_files(config.max_connections + 256)  # (and the model's files, the loop's, a notebook's)
     uv = uvicorn.Config(
         app,
         log_config=None,  # a library must not reconfigure the caller's logging

@@ -12,6 +12,7 @@ Error bodies always have the shape ``{"error": {"type": ..., "message": ...,
 from __future__ import annotations
 
 import os
+import sys
 
 API_KEY_ENV = "LABSERVER_API_KEY"  # comma-separated keys: a server started without its own takes them, a client sends
 #   the first
@@ -106,3 +107,25 @@ V1_EMBEDDINGS_PATH = "/v1/embeddings"
 SSE_DATA = b"data: "
 SSE_DATA_DONE = b"data: [DONE]\n\n"
 HEADER_IGNORED_FIELDS = "x-ignored-fields"  # request fields accepted but not used, comma-separated
+
+
+def allow_open_files(n: int) -> int:
+    """Raise this process's soft limit on open files to ``n`` where the hard limit allows; the soft limit now.
+
+    Each open connection is a file on both ends: a server holding ``max_connections`` and a
+    load generator keeping ``max_in_flight`` requests out need that many, and a desktop's
+    usual soft limit of 1,024 would fail them first (EMFILE), in the middle of a run.
+    """
+    if sys.platform == "win32":
+        return n  # (no such limit)
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < n:
+        want = n if hard == resource.RLIM_INFINITY else min(n, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return n if soft == resource.RLIM_INFINITY else soft

@@ -131,3 +131,36 @@ def test_two_thousand_half_open_connections_and_health_still_answers() -> None:
                     s.close()
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+LOWERED = """
+import resource, sys
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+{body}
+print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+@pytest.mark.parametrize("body, want", [
+    ("from labserver.wire import allow_open_files; assert allow_open_files(1500) == 1500", 1500),
+    ("from labserver.wire import allow_open_files; assert allow_open_files(100) == 256", 256),  # never lowered
+    ("import labserver\nwith labserver.serve('thread', 'echo', port=0, max_connections=3000): pass", 3000 + 256),
+    ("import labserver\nfrom labserver.loadgen import run_load_sync\n"
+     "with labserver.serve('thread', 'echo', port=0, max_connections=100) as h:\n"
+     "    run_load_sync(h.url, arrival='constant', rate_per_s=100, max_requests=3, max_in_flight=1500,"
+     " process=False, progress=False)", 1500 + 64),
+])
+def test_a_process_may_open_a_file_per_connection_it_will_hold(body: str, want: int) -> None:
+    """A desktop's usual soft limit (1,024, here 256) would fail a server's 4,096 connections or a
+    load generator's window with EMFILE mid-run: both raise it as far as the hard limit allows."""
+    import subprocess
+    import sys
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < want:
+        pytest.skip(f"needs {want} file descriptors; the hard limit is {hard}")
+    out = subprocess.run([sys.executable, "-c", LOWERED.format(body=body)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == want

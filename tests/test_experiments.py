@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import selectors
 import struct
 from pathlib import Path
 
@@ -220,12 +221,31 @@ def test_generation_compare_writes_results_and_plot_redraws_them(tmp_path: Path,
 
 
 def test_compare_shows_overload_as_503s_not_as_unsent_requests() -> None:
-    """The server's queue cap is below the load generator's in-flight limit, so the server, not
-    the client, turns overload away; what the client could not send has its own column."""
+    """The load generator's window holds more than the server's queue and, at compare's top rate,
+    the requests a strategy on the event loop leaves unread (~2,000): the server, not the
+    client, turns overload away; what the client could not send has its own column."""
     from labserver.experiments.compare import TABLE_COLUMNS, CompareConfig
-    from labserver.loadgen import LoadSpec
+    from labserver.load.loops import loop_factory
 
-    assert CompareConfig().max_queue < LoadSpec("http://127.0.0.1:1", duration_s=1).max_in_flight
+    cfg = CompareConfig()
+    options = cfg.load_options()
+    assert options["max_in_flight"] >= 2500 > cfg.max_queue
+    per_process = -(-options["max_in_flight"] // options["processes"])  # as the load generator deals it
+    loop = loop_factory(per_process, max(cfg.rates) / options["processes"])()
+    try:  # select(), whose timeouts are µs: each process sends on time
+        assert isinstance(getattr(loop, "_selector", None), selectors.SelectSelector)
+    finally:
+        loop.close()
     assert "err_client_overflow" in TABLE_COLUMNS["encode"]
-    at = CompareConfig().lesson_rates(CompareConfig().rates)
-    assert at["latency_cdf"] < at["batch_gantt"] < max(CompareConfig().rates)
+    at = cfg.lesson_rates(cfg.rates)
+    assert at["latency_cdf"] < at["batch_gantt"] < max(cfg.rates)
+
+
+def test_compare_help_names_the_configs_default_rates() -> None:
+    from labserver.cli import build_parser
+    from labserver.experiments.compare import CompareConfig, GenCompareConfig
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command" or getattr(a, "choices", None))
+    rates = next(a for a in sub.choices["compare"]._actions if a.dest == "rates").help
+    for cfg in (CompareConfig(), CompareConfig.quick(), GenCompareConfig(), GenCompareConfig.quick()):
+        assert ",".join(f"{r:g}" for r in cfg.rates) in rates

@@ -326,6 +326,19 @@ def test_overflow_is_recorded_not_queued(stub):
     assert any("client_overflow" in w for w in result.warnings)
 
 
+def test_an_overflow_is_not_also_reported_as_late_sends(stub):
+    """Requests the client did not send lower the sent rate; the sends it made were on time."""
+    result = run_load_sync(stub.url + "/slow?s=0.3", arrival="constant", rate_per_s=100, max_requests=60,
+                           max_in_flight=3, **FAST)
+    r = result.records
+    sent = r[r["sent_s"].notna()]
+    assert (r["error"] == "client_overflow").sum() > 40
+    assert result.meta["achieved_send_rate_per_s"] < 0.5 * result.meta["scheduled_rate_per_s"]
+    assert (sent["late_ms"] < 50).all()
+    assert any("client_overflow" in w for w in result.warnings)
+    assert not fell_behind(result), result.warnings
+
+
 # --- errors and ends ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("client", ["raw", "httpx"])

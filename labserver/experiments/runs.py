@@ -17,6 +17,7 @@ All frames carry ``label`` and ``rate`` columns, so several runs live in one fra
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import platform
@@ -126,11 +127,25 @@ def steps_in_run(handle: ServerHandle, since_s: float) -> pd.DataFrame:
 
 def warm_up(url: str, n: int = 10, payload: PayloadLike = "warm up", mode: str = "text",
             api_key: str | None = None) -> None:
-    """Send ``n`` requests one after another and forget them: a fresh model's first calls are slow."""
+    """Send ``n`` requests one after another and forget them: a fresh model's first calls are slow.
+
+    Nothing of it is measured, so the load generator's warnings about it (its client shares
+    this process with the server) are not shown either.
+    """
     if n > 0:
         extra = {"new_tokens": 8, "timeout_s": 600.0} if mode == "generate" else {}
-        run_load_sync(url, users=1, max_requests=n, payload=payload, mode=mode, process=False, progress=False,
-                      api_key=api_key, **extra)
+        log, unmeasured = logging.getLogger("labserver.loadgen"), _BelowWarnings()
+        log.addFilter(unmeasured)
+        try:
+            run_load_sync(url, users=1, max_requests=n, payload=payload, mode=mode, process=False, progress=False,
+                          api_key=api_key, **extra)
+        finally:
+            log.removeFilter(unmeasured)
+
+
+class _BelowWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
 
 
 def load_rates(handle: ServerHandle, rates: Sequence[float], *, label: str, duration_s: float,

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..wire import allow_open_files
 from .apis import is_generative, openai_body
 from .clients import CLIENTS, RequestFailed, StreamClient
 from .lengths import iter_lengths
@@ -92,6 +93,7 @@ class Worker:
                     headers=self.plan.headers, **extra)
 
     async def run(self, t0: float) -> dict[str, Any]:
+        allow_open_files(self.plan.sockets() + 64)  # (and this process's own: its pipes, its loop's)
         self.t0 = t0
         self.spin_s = spin_s(asyncio.get_running_loop(), self.plan.mean_gap_s())
         client = self._client(self.plan.url, "POST")
