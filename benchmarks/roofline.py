@@ -8,7 +8,7 @@ output head, which multiplies every position by the whole vocabulary) and each s
 keys and values, and does about two FLOPs per weight per sequence. This script measures, in
 one run, on the model labserver serves (``--model``, default ``smollm2``):
 
-1. **the machine**: memory bandwidth (the median over ``--repeats`` of summing a float32 tensor of
+1. **the machine**: memory bandwidth (the best of ``--repeats`` of summing a float32 tensor of
    ``--bandwidth-mb``, far larger than the caches: reading, as a decode step reads its weights; and
    of copying it, read + write) and matmul throughput (float32 and bfloat16 square matmuls of
    ``--matmul-n``), with torch's own threads;
@@ -38,7 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from labserver.experiments.roofline import decode_chunks, layouts, machine, profile_step, step_ms, weights  # noqa: E402
+from labserver.experiments.roofline import (  # noqa: E402
+    decode_chunks, floors, layouts, machine, profile_step, step_ms, weights)
 from labserver.models import load_model  # noqa: E402
 
 
@@ -65,17 +66,10 @@ def main() -> int:
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         chunks = decode_chunks(gen, b, args.context)
-        bytes_read = w["bytes_read"] + b * args.context * kv
-        # two FLOPs per weight per sequence, and attention's QK and AV: 4 x context x width per layer per sequence
-        flops = 2 * b * w["matmul_params"] + 4 * b * args.context * w["layers"] * w["width"]
-        mem_ms = bytes_read / (m["read_gb_s"] * 1e9) * 1000
-        flop_ms = flops / (m["matmul_fp32_gflop_s"] * 1e9) * 1000
+        r = floors(w, kv, b, args.context, m)
         measured = step_ms(gen, chunks, args.steps)
-        floor = max(mem_ms, flop_ms)
-        rows.append({"sequences": b, "bytes_read_mb": bytes_read / 1e6, "gflop": flops / 1e9, "memory_floor_ms": mem_ms,
-                     "compute_floor_ms": flop_ms, "floor_ms": floor, "bound": "memory" if mem_ms >= flop_ms else
-                     "compute", "measured_ms": measured, "measured_over_floor": measured / floor,
-                     "tokens_per_s": b / measured * 1000, "floor_tokens_per_s": b / floor * 1000})
+        rows.append({**r, "measured_ms": measured, "measured_over_floor": measured / r["floor_ms"],
+                     "tokens_per_s": b / measured * 1000, "floor_tokens_per_s": b / r["floor_ms"] * 1000})
         gen.release([c.sid for c in chunks])
     one = decode_chunks(gen, 1, args.context)
     prof = profile_step(gen, one, w["vocab"], args.steps)

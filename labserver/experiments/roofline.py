@@ -7,9 +7,9 @@ therefore bound by memory: its floor is the bytes it reads over the machine's re
 bandwidth. These are the measurements ``benchmarks/roofline.py`` and ``benchmarks/onestream.py``
 print and notebook 9 draws:
 
-- ``machine``: read and copy bandwidth, matmul throughput;
+- ``machine``: read and copy bandwidth, matmul throughput (the best of a few repeats);
 - ``weights`` and ``bytes_read``: what a step reads (a model's projections as it holds them:
-  float weights, or 4-bit blocks);
+  float weights, or 4-bit blocks); ``floors``: what that and its FLOPs allow on a machine;
 - ``decode_chunks`` and ``step_ms``: the model's own ``forward`` on decode chunks over its
   paged pool (the call a server's engine makes), timed;
 - ``profile_step``: one step under ``torch.profiler``, its self CPU time by slice (``SLICES``),
@@ -28,8 +28,8 @@ import torch
 
 from ..models import Chunk
 
-__all__ = ["SLICES", "bytes_read", "decode_chunks", "layouts", "machine", "median_s", "profile_step", "step_ms",
-           "weights"]
+__all__ = ["SLICES", "best_s", "bytes_read", "decode_chunks", "floors", "layouts", "machine", "median_s",
+           "profile_step", "step_ms", "weights"]
 
 SLICES = {  # op name -> slice (ops not named: "other ops")
     "aten::mm": "matmuls", "aten::addmm": "matmuls", "aten::bmm": "matmuls",
@@ -57,30 +57,41 @@ SLICES = {  # op name -> slice (ops not named: "other ops")
 
 
 def median_s(fn: Any, repeats: int) -> float:
+    return statistics.median(_times(fn, repeats))
+
+
+def best_s(fn: Any, repeats: int) -> float:
+    """The fastest of ``repeats`` (STREAM's convention for a machine's peak): a floor is what the machine gave
+    at best. On a shared 2-core machine, one sum over 1 GiB read at 31 and at 54 GB/s within seconds."""
+    return min(_times(fn, repeats))
+
+
+def _times(fn: Any, repeats: int) -> list[float]:
     fn()  # warm
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return times
 
 
 def machine(bandwidth_mb: int = 1024, repeats: int = 7, matmul_n: int = 2048) -> dict[str, float]:
     """This machine's read and copy bandwidth (a float32 tensor of ``bandwidth_mb``, far larger than the caches)
-    and matmul throughput (square float32 and bfloat16 matmuls of ``matmul_n``), with torch's own threads."""
+    and matmul throughput (square float32 and bfloat16 matmuls of ``matmul_n``), with torch's own threads: the
+    best of ``repeats`` each, so that a floor drawn from them is one the machine can reach."""
     n = bandwidth_mb * 2**20 // 4
     a = torch.ones(n, dtype=torch.float32)
     b = torch.empty_like(a)
-    read_s = median_s(lambda: a.sum(), repeats)
-    copy_s = median_s(lambda: b.copy_(a), repeats)
+    read_s = best_s(lambda: a.sum(), repeats)
+    copy_s = best_s(lambda: b.copy_(a), repeats)
     out: dict[str, float] = {"read_gb_s": n * 4 / read_s / 1e9, "copy_gb_s": 2 * n * 4 / copy_s / 1e9,
                              "threads": torch.get_num_threads()}
     del a, b
     k = matmul_n
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         x, y = torch.randn(k, k).to(dtype), torch.randn(k, k).to(dtype)
-        out[f"matmul_{name}_gflop_s"] = 2 * k**3 / median_s(lambda x=x, y=y: x @ y, repeats) / 1e9
+        out[f"matmul_{name}_gflop_s"] = 2 * k**3 / best_s(lambda x=x, y=y: x @ y, repeats) / 1e9
     return out
 
 
@@ -100,6 +111,21 @@ def weights(gen: Any) -> dict[str, int]:
     return {"bytes_read": read, "params": n, "matmul_params": n - (0 if tied else emb.numel()),
             "head_params": head.numel(), "vocab": head.shape[0], "width": head.shape[1], "layers": int(layers),
             "tied": int(tied)}
+
+
+def floors(w: dict[str, int], kv_bytes_per_token: int, b: int, context: int, box: dict[str, float],
+           weight_bytes: int | None = None) -> dict[str, Any]:
+    """The floors under a decode step of ``b`` sequences at ``context`` tokens each, on the machine ``box``
+    (``machine()``): the bytes it reads (``weight_bytes``, else ``w``'s, and every sequence's KV) over the read
+    bandwidth, and its FLOPs (two per weight per sequence, and attention's QK and AV: 4 x context x width per
+    layer per sequence) over float32 matmul throughput. The larger is the floor, and names what bounds the step."""
+    read = (w["bytes_read"] if weight_bytes is None else weight_bytes) + b * context * kv_bytes_per_token
+    flops = 2 * b * w["matmul_params"] + 4 * b * context * w["layers"] * w["width"]
+    mem_ms = read / (box["read_gb_s"] * 1e9) * 1000
+    flop_ms = flops / (box["matmul_fp32_gflop_s"] * 1e9) * 1000
+    return {"sequences": b, "bytes_read_mb": read / 1e6, "gflop": flops / 1e9, "memory_floor_ms": mem_ms,
+            "compute_floor_ms": flop_ms, "floor_ms": max(mem_ms, flop_ms),
+            "bound": "memory" if mem_ms >= flop_ms else "compute"}
 
 
 def decode_chunks(gen: Any, b: int, context: int) -> list[Chunk]:
