@@ -123,8 +123,8 @@ def step_rows(gens: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         measured = roofline.step_ms(gen, chunks, 5 if args.smoke else 20)
         gen.release([c.sid for c in chunks])
         read = roofline.bytes_read(gen)
-        floor = (read + args.context * gen.kv_bytes_per_token) / (m["read_gb_s"] * 1e9) * 1000
-        steps[name] = {"measured_ms": measured, "floor_ms": floor, "bytes_read": read}
+        floor = roofline.floors(roofline.weights(gen), gen.kv_bytes_per_token, 1, args.context, m, read)
+        steps[name] = {"measured_ms": measured, "floor_ms": floor["memory_floor_ms"], "bytes_read": read}
     return {"machine": m, "steps": steps}
 
 

@@ -13,7 +13,7 @@ import asyncio
 import selectors
 import time
 
-__all__ = ["loop_factory", "run_on_fresh_loop", "spin_s", "timer_late_fraction"]
+__all__ = ["RESERVED_FDS", "loop_factory", "run_on_fresh_loop", "spin_s", "timer_late_fraction"]
 
 # Event-loop timers on epoll are only ms-accurate: asyncio's wake late by up to 1 ms,
 # uvloop's by up to 1 ms either side. On those loops the scheduler sleeps until this much
@@ -22,7 +22,7 @@ _SPIN_S = {"asyncio": 0.001, "uvloop": 0.002}
 _SELECT_SPIN_S = 0.001  # select() wakes on time when the machine is idle; this covers a busy one
 _SELECT_MAX_RATE = 1000.0  # requests/s per process; above it uvloop's faster I/O wins (measured)
 _SELECT_FD_LIMIT = 1024  # select() cannot watch descriptors numbered past FD_SETSIZE
-_RESERVED_FDS = 64  # a spawned worker's own descriptors (pipes, the loop's self-pipe, ...)
+RESERVED_FDS = 64  # a spawned worker's own descriptors (pipes, the loop's self-pipe, ...)
 
 
 def run_on_fresh_loop(make_coro, sockets: int | None = None, rate_per_s: float = 0.0):
@@ -61,7 +61,7 @@ def loop_factory(sockets: int | None = None, rate_per_s: float = 0.0):
     at I/O, but its timers are ms-coarse, so ``Worker`` busy-waits the last 2 ms before
     each send, which above ~1000 requests/s is a core's worth of spinning either way.
     """
-    few_fds = sockets is not None and sockets + _RESERVED_FDS < _SELECT_FD_LIMIT
+    few_fds = sockets is not None and sockets + RESERVED_FDS < _SELECT_FD_LIMIT
     if few_fds and rate_per_s <= _SELECT_MAX_RATE:
         return lambda: asyncio.SelectorEventLoop(selectors.SelectSelector())
     try:

@@ -25,7 +25,7 @@ from ..wire import allow_open_files
 from .apis import is_generative, openai_body
 from .clients import CLIENTS, RequestFailed, StreamClient
 from .lengths import iter_lengths
-from .loops import run_on_fresh_loop, spin_s, timer_late_fraction
+from .loops import RESERVED_FDS, run_on_fresh_loop, spin_s, timer_late_fraction
 from .mix import Mix
 from .openai_sse import OpenAIAnswer
 from .payloads import Inputs, input_chars, iter_payloads, next_request
@@ -93,7 +93,7 @@ class Worker:
                     headers=self.plan.headers, **extra)
 
     async def run(self, t0: float) -> dict[str, Any]:
-        allow_open_files(self.plan.sockets() + 64)  # (and this process's own: its pipes, its loop's)
+        allow_open_files(self.plan.sockets() + RESERVED_FDS)
         self.t0 = t0
         self.spin_s = spin_s(asyncio.get_running_loop(), self.plan.mean_gap_s())
         client = self._client(self.plan.url, "POST")
