@@ -168,7 +168,7 @@ def counts(records: Any, answers: Any, result: LoadResult, served_tokens: int) -
 
 def server(name: str, model: Any, args: argparse.Namespace) -> labserver.ServerHandle:
     h = labserver.serve(name, model, device=args.device, max_batch_size=args.max_batch, max_queue=100_000,
-                        timeout_ms=None, max_new_tokens=LENGTHS.hi)
+                        timeout_ms=None, max_new_tokens=LENGTHS.hi, cuda_graphs=getattr(args, "cuda_graphs", False))
     try:  # a few short requests: first calls allocate (and gen-hf-cb starts its manager)
         run_load_sync(h.url, mode="generate", users=2, max_requests=4, new_tokens=4, payload=PROMPTS,
                       process=False, progress=False, timeout_s=args.timeout)

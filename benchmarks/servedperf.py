@@ -52,6 +52,7 @@ from genperf import Checks, check_run, exit_status, measure, offline_engine, per
 from labserver.experiments.runs import machine_info
 from labserver.models import load_model, on_fresh_thread
 from labserver.models.gpt2 import Costs
+from labserver.models.graphs import use_cuda_graphs
 
 CONT = "gen-continuous"
 
@@ -158,8 +159,10 @@ def dense_step_ms(gen: Any, batch: int, context: int, steps: int = 30) -> float:
         for _ in range(steps):
             t0 = time.perf_counter()
             out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            times.append((time.perf_counter() - t0) * 1000)
             cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            if dev.type == "cuda":  # (a GPU's step ends when its kernels do, not when they are launched)
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1000)
     return statistics.median(times)
 
 
@@ -200,6 +203,8 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=50.0, help="seconds measured, served and offline")
     ap.add_argument("--tokens", default="16:256", help="asked output lengths, uniform in LO:HI")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cuda-graphs", action="store_true", help="decode steps replayed from CUDA graphs, offline and "
+                    "served (labserver.models.graphs; a GPU only)")
     ap.add_argument("--smoke", action="store_true", help="exit on checks of what was measured, not on the targets")
     ap.add_argument("--out", default="results/servedperf/cpu.json", help="every number as JSON here (and a .txt)")
     args = ap.parse_args()
@@ -211,6 +216,8 @@ def main() -> int:
     numbers: dict[str, Any] = {"machine": machine_info(args.device), "args": vars(args)}
 
     gen = load_model(args.model, device=args.device, kind="generate")
+    if args.cuda_graphs:
+        use_cuda_graphs(gen, args.max_batch)
     work = workload(gen, 512, args.seed)
     rounds = []
     for i in range(args.rounds):

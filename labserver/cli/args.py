@@ -65,6 +65,9 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
                    help="gen-*: tokens per KV block, the unit memory is taken in (default: %(default)s)")
     p.add_argument("--prefix-cache", action="store_true",
                    help="gen-*: prompts that begin alike share their KV blocks")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="gen-*, on a GPU: replay decode steps from CUDA graphs (one launch a step instead of one a "
+                        "kernel; steps padded to buckets)")
     p.add_argument("--prefill", default=_LIMITS.prefill, choices=list(PREFILLS),
                    help="gen-continuous, gen-paged: prefill all that fit at every step, at most "
                         "--max-prefill-tokens, or in pieces inside each step (--max-step-tokens)")
@@ -120,6 +123,7 @@ def limits_from(args: argparse.Namespace) -> Limits:
         kv_memory_mb=args.kv_memory_mb,
         kv_block_tokens=args.kv_block_tokens,
         prefix_cache=args.prefix_cache,
+        cuda_graphs=args.cuda_graphs,
         prefill=args.prefill,
         max_prefill_tokens=args.max_prefill_tokens,
         max_step_tokens=args.max_step_tokens,

@@ -73,10 +73,13 @@ class PagedKV:
         self.compute = torch.float32 if half and torch.device(device).type == "cpu" else dtype  # attention's dtype
         self.allocate(0, 16)
 
-    def allocate(self, blocks: int, block_tokens: int) -> None:
-        """The pool: ``torch.empty``, so the operating system hands over pages only as blocks are first written."""
+    def allocate(self, blocks: int, block_tokens: int, spare: bool = False) -> None:
+        """The pool: ``torch.empty``, so the operating system hands over pages only as blocks are first written.
+        ``spare``: one block more, past the ``blocks`` a table may name, whose first slot is ``scratch`` (where a
+        padded step's padding rows write: ``labserver.models.graphs``)."""
         self.blocks, self.block_tokens = blocks, block_tokens
-        shape = (blocks * block_tokens, self.heads, self.head_dim)
+        self.scratch = blocks * block_tokens if spare else None
+        shape = ((blocks + spare) * block_tokens, self.heads, self.head_dim)
         self.k = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
         self.v = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
 
@@ -129,8 +132,8 @@ class PagedKV:
         -> attention output, q's shape. Query head h reads KV head h // (query heads / KV heads)."""
         keys, values = self.k[layer], self.v[layer]
         gqa = q.shape[1] != self.heads
-        keys[plan.write] = k  # first every new token's K and V into its slot, then each sequence reads its own
-        values[plan.write] = v
+        keys.index_copy_(0, plan.write, k)  # first every new token's K and V into its slot, then each sequence
+        values.index_copy_(0, plan.write, v)  # reads its own
         wide = self.compute
         if plan.alone is not None:  # one group of decoding sequences, the call's rows in order: no gather of q
             return self._decode(keys, values, q, *plan.alone, gqa)

@@ -186,6 +186,7 @@ class PagedLM(TokenizerText):
         self._head_proj = Dense(self._head)  # its dtype's layout (an embedding tied to it reads its rows)
         self.kv = PagedKV(layers, kv_heads, head_dim, weight.device, weight.dtype)
         self.costs: Costs | None = None  # set a Costs to time every call's parts (a benchmark's breakdown)
+        self.graphs: Any = None  # a DecodeGraphs: decode-only calls replayed by bucket (labserver.models.graphs)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -202,8 +203,19 @@ class PagedLM(TokenizerText):
 
     # -- the two steps (one computation: a decode is a chunk of one token) ------------------
     def allocate_kv(self, blocks: int, block_tokens: int) -> None:
-        self.kv.allocate(blocks, block_tokens)
+        self.kv.allocate(blocks, block_tokens, spare=self.graphs is not None)
         self._live.clear()
+        if self.graphs is not None:
+            self.graphs.clear()  # (their steps read and wrote the pool just replaced)
+
+    def use_graphs(self, graphs: Any) -> Any:
+        """Decode-only calls through ``graphs`` from now on (``labserver.models.graphs.use_cuda_graphs``); the pool
+        is made again with its scratch block, so only before any sequence is computed."""
+        if self._live:
+            raise ModelError(f"{len(self._live)} sequences hold the pool; turn graphs on before the first call")
+        self.graphs = graphs
+        self.kv.allocate(self.kv.blocks, self.kv.block_tokens, spare=True)
+        return graphs
 
     @torch.inference_mode()
     def logits(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -219,6 +231,8 @@ class PagedLM(TokenizerText):
                                  f"{self.max_context} (the context limit)")
             if len(c.score) > len(c.tokens):
                 raise ModelError(f"sequence {c.sid}: {len(c.score)} tokens to score after {len(c.tokens)} positions")
+        if self.graphs is not None and self.graphs.fits(chunks):
+            return self.graphs.hidden(chunks), []
         dev = self.kv.device
         plan = self.kv.plan(chunks)
         ids = torch.tensor([t for c in chunks for t in c.tokens], device=dev)

@@ -67,6 +67,10 @@ class Runtime:
                                                      paged=self.strategy.paged)
             if generate != isinstance(self.model, GenModel):
                 raise ModelLoadError(_mismatch(self.strategy.name, cfg.model, generate))
+            if self.strategy.limits.cuda_graphs:
+                from ..models.graphs import use_cuda_graphs
+
+                use_cuda_graphs(self.model, self.strategy.limits.max_batch_size)
         except ModelLoadError as e:
             self.state, self.load_error = "failed", str(e)
             logger.error("model %r failed to load: %s", cfg.model, e, exc_info=e.__cause__)

@@ -63,6 +63,8 @@ class Limits:
     #   model's bytes per position (layers x 2 x KV heads x head size x dtype); with max_kv_tokens, the smaller
     kv_block_tokens: int = 16  # tokens per KV block: the unit KV memory is taken and given back in
     prefix_cache: bool = False  # prompts that begin alike share their KV blocks (whole blocks, keyed by tokens)
+    cuda_graphs: bool = False  # decode steps replayed from CUDA graphs, padded to buckets (a GPU only:
+    #   labserver.models.graphs)
     prefill: str = "eager"  # gen-continuous, gen-paged: "eager" prefills whole prompts between two steps; "budget"
     #   at most max_prefill_tokens of them; "chunked" pieces of prompts inside each step, max_step_tokens in all
     max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps under prefill="budget"

@@ -1,0 +1,135 @@
+"""Decode steps replayed from CUDA graphs: each step shape captured once, then a step is one copy in and one replay.
+
+On a GPU one decode step is a few hundred small kernels (a 30-layer model: norms, the
+projections, the rotation, the KV writes and reads, attention, the residual adds), each
+launched from Python by the CPU. At one stream each kernel finishes in a few microseconds,
+so the GPU waits on the CPU's launches, not on its memory: the step takes several times its
+memory floor. A CUDA graph records a call's kernels once and launches them all with one
+call (``torch.cuda.CUDAGraph``); what changes between steps (token ids, positions, the
+slots each sequence writes and reads) goes into buffers the graph reads, copied in first.
+
+A graph's shapes are fixed when it is captured, so a step is padded to a *bucket*: the
+sequences to the next power of two (up to the engine's largest batch), each sequence's
+positions to the next power of two of at least ``MIN_KEYS``. A padding row writes its K and
+V to a scratch slot past the engine's blocks (``PagedKV.allocate(..., spare=True)``) and
+reads only that slot; a sequence's padding keys repeat its first slot and are masked out,
+as the eager path pads a decode group. Graphs are captured as buckets are first met and
+share one memory pool (the steps never run at once).
+
+Only calls where every chunk computes one token that samples are replayed; prompts, pieces of them and
+any call larger than the largest bucket run eagerly as before. Opt-in (``--cuda-graphs``):
+a padded bucket multiplies other shapes than the eager step, so the last bits of a score may
+differ (``benchmarks/graphs.py`` counts how many greedy tokens do). On a CPU the same padded
+step runs eagerly, uncaptured (``capture=False``): how the tests check the padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import Chunk, ModelError, ModelLoadError
+from .kvcache import CallPlan
+
+__all__ = ["MIN_KEYS", "DecodeGraphs", "use_cuda_graphs"]
+
+MIN_KEYS = 64  # the fewest positions a bucket pads a sequence to
+
+
+def _bucket(n: int, least: int = 1) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+class DecodeGraphs:
+    """The decode-only step of one ``PagedLM``, by bucket: (sequences, positions) -> its buffers, graph, output."""
+
+    def __init__(self, gen: Any, max_batch: int, capture: bool = True) -> None:
+        self.gen, self.max_batch, self.capture = gen, _bucket(max_batch), capture
+        self.steps: dict[tuple[int, int], tuple[torch.Tensor, Any, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = 0  # steps served from a bucket (counted: the tests and benchmarks read them)
+
+    def clear(self) -> None:
+        """Forget every bucket (the pool they write was replaced)."""
+        self.steps.clear()
+
+    def fits(self, chunks: list[Chunk]) -> bool:
+        """A call this can replay: every chunk one token that samples (a decode, or a prompt of one token), nothing
+        to score, within the buckets."""
+        return (0 < len(chunks) <= self.max_batch and self.gen.kv.scratch is not None
+                and all(c.sample and len(c.tokens) == 1 and not c.score for c in chunks)
+                and max(c.end for c in chunks) <= self.gen.max_context)
+
+    def hidden(self, chunks: list[Chunk]) -> torch.Tensor:
+        """The final hidden state of each chunk's token [len(chunks), width], from its bucket's step."""
+        kv = self.gen.kv
+        n = _bucket(len(chunks))
+        keys = min(_bucket(max(c.end for c in chunks), MIN_KEYS), _bucket(self.gen.max_context))
+        inputs, graph, out = self.steps.get((n, keys)) or self._build(n, keys)
+        scratch = kv.scratch
+        packed = [0] * (4 * n) + [scratch] * (n * keys)  # ids | positions | write slots | lengths | read slots
+        for i, c in enumerate(chunks):
+            if len(c.blocks) * kv.block_tokens < c.end or any(not 0 <= x < kv.blocks for x in c.blocks):
+                raise ModelError(f"sequence {c.sid}: blocks {list(c.blocks)} do not hold positions 0..{c.end - 1} "
+                                 f"in a pool of {kv.blocks}")
+            slots = kv.slots(c.blocks, 0, c.end)
+            packed[i], packed[n + i], packed[2 * n + i], packed[3 * n + i] = c.tokens[0], c.start, slots[-1], c.end
+            packed[4 * n + i * keys:4 * n + (i + 1) * keys] = slots + slots[:1] * (keys - len(slots))
+        for i in range(len(chunks), n):  # padding rows: position 0, one key, the scratch slot only
+            packed[2 * n + i], packed[3 * n + i] = scratch, 1
+        inputs.copy_(torch.tensor(packed, dtype=torch.long))
+        if graph is None:
+            out = self._step(inputs, n, keys)
+        else:
+            graph.replay()
+        self.replays += 1
+        return out[:len(chunks)]
+
+    def _step(self, inputs: torch.Tensor, n: int, keys: int) -> torch.Tensor:
+        """The padded call: every tensor it reads is a view of ``inputs`` (what a captured graph reads again)."""
+        ids, positions, write, lengths = inputs[:n], inputs[n:2 * n], inputs[2 * n:3 * n], inputs[3 * n:4 * n]
+        read = inputs[4 * n:]
+        mine = (torch.arange(keys, device=inputs.device)[None, :] < lengths[:, None])[:, None, None, :]
+        rows = torch.arange(n, device=inputs.device)
+        plan = CallPlan(write, [(rows, read, keys, mine)], [], (read, keys, mine))
+        return self.gen._forward(ids, positions, plan)  # type: ignore[no-any-return]
+
+    def _build(self, n: int, keys: int) -> tuple[torch.Tensor, Any, torch.Tensor]:
+        kv = self.gen.kv
+        inputs = torch.zeros(4 * n + n * keys, dtype=torch.long, device=kv.device)
+        inputs[2 * n:3 * n], inputs[3 * n:4 * n], inputs[4 * n:] = kv.scratch, 1, kv.scratch  # all padding
+        graph, out = None, torch.empty(0)
+        if self.capture:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture: lazy initialisations, library workspaces
+                for _ in range(2):
+                    self._step(inputs, n, keys)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._step(inputs, n, keys)
+        self.steps[(n, keys)] = (inputs, graph, out)
+        return inputs, graph, out
+
+
+def use_cuda_graphs(model: Any, max_batch: int | None, capture: bool | None = None) -> DecodeGraphs:
+    """Replay ``model``'s decode steps from CUDA graphs, up to ``max_batch`` sequences (``--cuda-graphs``).
+
+    ``capture=None``: capture on a CUDA device, and refuse another device (a CPU runs kernels as
+    Python calls them; there is nothing to replay); ``capture=False`` runs the padded steps
+    eagerly on any device (the tests)."""
+    from .paged import PagedLM
+
+    if not isinstance(model, PagedLM):
+        raise ModelLoadError(f"--cuda-graphs replays labserver's own forward pass; "
+                             f"{getattr(model, 'name', model)!r} has none")
+    if capture is None:
+        if model.kv.device.type != "cuda":
+            raise ModelLoadError(f"--cuda-graphs needs a CUDA device; {model.name} is on {model.kv.device.type}")
+        capture = True
+    have = model.graphs
+    if have is not None and have.capture == capture and have.max_batch >= _bucket(max_batch or 32):
+        return have  # (already on: a benchmark's model served again)
+    return model.use_graphs(DecodeGraphs(model, max_batch or 32, capture))

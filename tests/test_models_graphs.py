@@ -1,0 +1,89 @@
+"""Decode steps padded to buckets (``labserver.models.graphs``), run eagerly on the CPU: what a CUDA graph replays.
+
+A GPU captures these same padded steps; here they run uncaptured (``capture=False``), so
+the padding itself is what is tested: every step's scores still match transformers', the
+padding rows touch only the scratch slot, and only calls of single sampled tokens take the
+padded path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import labserver
+from labserver.models import ModelLoadError, load_model
+from labserver.models.base import Chunk
+from labserver.models.gpt2 import gpt2_random
+from labserver.models.graphs import use_cuda_graphs
+
+from .test_models_gpt2 import Tracker, prompt
+
+
+def _company(gen: object, tracker: Tracker) -> None:
+    """Three sequences of unlike lengths (a bucket of 4: one padding row), a fourth joining in pieces, one leaving."""
+    for sid, ids in ((10, prompt(gen, 20, 40)), (11, prompt(gen, 7, 500)), (12, prompt(gen, 2, 70))):
+        tracker.add(sid, ids)
+    tracker.run([(10, None), (11, None), (12, None)])
+    for step in range(60):  # sequence 10 passes 64 positions: its bucket of keys grows from 64 to 128
+        if step == 3:  # a prompt's piece rides along: that call runs eagerly
+            tracker.add(13, prompt(gen, 30, 90))
+            tracker.run([(13, 10), (11, None), (10, None), (12, None)])
+            continue
+        if step == 5:
+            tracker.release(12)
+        tracker.decode(sorted(tracker.ids))
+
+
+def test_padded_gpt2_steps_match_transformers_as_sequences_join_and_leave() -> None:
+    gen = gpt2_random(tiny=True, device="cpu")
+    graphs = use_cuda_graphs(gen, 8, capture=False)
+    tracker = Tracker(gen, blocks=96)  # (checks every sampled row against transformers over its whole context)
+    _company(gen, tracker)
+    assert graphs.replays >= 55  # every call of decodes alone went through a bucket
+    assert {(4, 64), (4, 128)} <= set(graphs.steps)  # 3 sequences: a bucket of 4, one padding row
+    assert gen.kv.scratch == 96 * 4  # the spare block: past every block a table may name
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_padded_llama_steps_equal_the_eager_steps(folders: dict[str, Path], family: str) -> None:
+    """Grouped-query attention (and Qwen3's QK-norm) through the bucket: the same greedy tokens as the eager path."""
+    eager = load_model(str(folders[family]), device="cpu", kind="generate")
+    padded = load_model(str(folders[family]), device="cpu", kind="generate")
+    graphs = use_cuda_graphs(padded, 4, capture=False)
+    answers = []
+    for gen in (eager, padded):
+        gen.allocate_kv(32, 16)
+        prompts = {1: list(range(5, 40)), 2: list(range(50, 53)), 3: list(range(100, 150))}  # (50: past 64 keys mid-way)
+        tables = {sid: tuple(range(8 * (sid - 1), 8 * sid)) for sid in prompts}
+        outs = gen.forward([Chunk(sid, ids, 0, tables[sid]) for sid, ids in prompts.items()])
+        tokens = {sid: [int(t)] for sid, t in zip(prompts, outs, strict=True)}
+        for _ in range(24):
+            chunks = [Chunk(sid, [tokens[sid][-1]], len(prompts[sid]) + len(tokens[sid]) - 1, tables[sid],
+                            decode=True) for sid in prompts]
+            for c, t in zip(chunks, gen.forward(chunks), strict=True):
+                tokens[c.sid].append(int(t))
+        answers.append(tokens)
+    assert answers[0] == answers[1]
+    assert graphs.replays == 24 and {(4, 64), (4, 128)} <= set(graphs.steps)
+
+
+def test_a_call_over_the_largest_bucket_or_with_scores_runs_eagerly() -> None:
+    gen = gpt2_random(tiny=True, device="cpu")
+    graphs = use_cuda_graphs(gen, 2, capture=False)
+    gen.allocate_kv(16, 16)
+    table = {sid: (sid,) for sid in range(3)}
+    gen.forward([Chunk(sid, [5, 6, 7], 0, table[sid]) for sid in range(3)])
+    assert not graphs.fits([Chunk(sid, [8], 3, table[sid], decode=True) for sid in range(3)])  # 3 > 2
+    assert not graphs.fits([Chunk(0, [8], 3, table[0], decode=True, score=[8])])
+    assert graphs.fits([Chunk(0, [8], 3, table[0], decode=True)])
+
+
+def test_graphs_are_refused_where_there_is_nothing_to_capture() -> None:
+    with pytest.raises(ModelLoadError, match="needs a CUDA device; gpt2-tiny-random is on cpu"):
+        use_cuda_graphs(gpt2_random(tiny=True, device="cpu"), 8)
+    with pytest.raises(ModelLoadError, match="own forward pass"):
+        use_cuda_graphs(load_model("synthetic-gen:1+1", kind="generate"), 8)
+    with pytest.raises(ModelLoadError, match="needs a CUDA device"):  # served: the load fails, saying why
+        labserver.serve("gen-continuous", "gpt2-tiny-random", device="cpu", cuda_graphs=True)
