@@ -51,8 +51,11 @@ class DecodeGraphs:
         self.replays = 0  # steps served from a bucket (counted: the tests and benchmarks read them)
 
     def clear(self) -> None:
-        """Forget every bucket (the pool they write was replaced)."""
+        """Forget every bucket (the pool they write was replaced), and their memory pool with them: a pool whose
+        graphs are all gone is freed, and torch refuses to capture into it again."""
         self.steps.clear()
+        if self.capture:
+            self.pool = torch.cuda.graph_pool_handle()
 
     def fits(self, chunks: list[Chunk]) -> bool:
         """A call this can replay: every chunk one token that samples (a decode, or a prompt of one token), nothing
