@@ -200,6 +200,10 @@ def main() -> int:
               "steps: the model's forward on decode chunks, host to host)")
     write_results(args.out, numbers, rows, footer, width=66)
     if args.smoke:
+        check.rows(rows, ["gpt2-tiny-random: floor / eager step", "gpt2-tiny-random: graphed / eager step",
+                          "gpt2-tiny-random: graphed step of", "gpt2-tiny-random: greedy tokens equal"])
+        for m in numbers["models"]:
+            check(m.get("tokens_equal") == m.get("tokens"), f"{m['model']}: padded greedy tokens differ")
         return check.verdict()
     return 1 if any(r["result"] == "FAIL" for r in rows) else 0
 

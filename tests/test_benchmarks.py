@@ -230,3 +230,11 @@ def test_onestream_smoke_measures_streams_exactness_and_the_floor(tmp_path: Path
     assert any(t.startswith("1 stream: labserver gpt2-tiny-random:float16 /") for t in targets)
     (r,) = numbers["streams"]["1"]
     assert r["gpt2-tiny-random"]["tps"] > 0 and ("llama-server" in r) == ("error" not in numbers["peer"])
+
+
+def test_graphs_smoke_pads_every_step_and_keeps_the_tokens(tmp_path: Path) -> None:
+    run, numbers = smoke("graphs.py", tmp_path / "graphs.json", timeout=300)
+    (m,) = numbers["models"]
+    assert m["tokens_equal"] == m["tokens"] == 4 * 8 and m["buckets"] == [[4, 128]]
+    assert m["graphs_ms_1"] > 0 and m["eager_ms_4"] > 0 and m["dense_ms"] > 0
+    assert run.stdout.count("gpt2-tiny-random:") == 6

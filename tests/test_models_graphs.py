@@ -87,3 +87,12 @@ def test_graphs_are_refused_where_there_is_nothing_to_capture() -> None:
         use_cuda_graphs(load_model("synthetic-gen:1+1", kind="generate"), 8)
     with pytest.raises(ModelLoadError, match="needs a CUDA device"):  # served: the load fails, saying why
         labserver.serve("gen-continuous", "gpt2-tiny-random", device="cpu", cuda_graphs=True)
+
+
+def test_the_flag_reaches_the_limits() -> None:
+    from labserver.cli import build_parser
+    from labserver.cli.args import limits_from
+
+    parse = build_parser().parse_args
+    assert limits_from(parse(["serve", "--strategy", "gen-continuous", "--cuda-graphs"])).cuda_graphs
+    assert not limits_from(parse(["serve", "--strategy", "gen-continuous"])).cuda_graphs
