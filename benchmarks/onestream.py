@@ -45,28 +45,39 @@ from labserver.experiments import roofline
 from labserver.experiments.peers import PeerUnavailable
 from labserver.experiments.runs import machine_info
 from labserver.load.prompts import QUESTIONS
-from labserver.models import Chunk, ModelLoadError, load_model
+from labserver.models import Chunk, ModelLoadError, load_model, on_fresh_thread
+from labserver.models.graphs import use_compiled
 from labserver.models.base import token_of
 
 PEER = realmodel.PEER
-FULL = dict(models="smollm2,smollm2:float16,smollm2-q4", rounds=2, warmup=5.0, duration=20.0, streams="1,16,32",
+FULL = dict(models="smollm2,smollm2:float16,smollm2:float16+compile,smollm2-q4", rounds=2, warmup=5.0, duration=20.0, streams="1,16,32",
             answer_tokens=64, prompt_tokens=32, quiet_wait=120.0, max_rest=0.6, exact_questions=16, changed_questions=64)
 SMOKE = dict(models="gpt2-tiny-random,gpt2-tiny-random:float16", rounds=1, warmup=0.5, duration=2.0, streams="1,4",
              answer_tokens=16, prompt_tokens=16, quiet_wait=0.0, max_rest=float("inf"), exact_questions=1, changed_questions=4)
 MEANING = ("labserver's smollm2 runs float32 PyTorch (the GGUF dequantized once, exact against transformers); "
            "smollm2:float16 the same weights in float16 (--dtype float16: exact against transformers in float16, "
-           "whose CPU kernels multiply one row at the memory's pace and several rows slowly); smollm2-q4 the GGUF's "
+           "whose CPU kernels multiply one row at the memory's pace and several rows slowly); +compile with one "
+           "sequence's step compiled by torch.compile (--compile; batches run as without); smollm2-q4 the GGUF's "
            "Q4_1 blocks in torch's int4 kernel, in bfloat16 (lossy); llama-server the same blocks with llama.cpp's "
            "C++ kernels.")
 GOALS = {"1": 0.5, "32": 1.5}  # labserver / llama-server, output tokens/s, an exact model ...
-GOAL_MODELS = {"1": "smollm2:float16", "32": "smollm2"}  # ... in the dtype whose kernels suit that load
+GOAL_MODELS = {"1": "smollm2:float16+compile", "32": "smollm2"}  # ... in the dtype whose kernels suit that load
 LOSSY = ("smollm2-q4",)  # compared with the first model's answers, not with transformers'
 
 
 def load_gen(name: str) -> Any:
-    """A model by name, ``name:dtype`` for another dtype of it (``smollm2:float16``)."""
+    """A model by name, ``name:dtype`` for another dtype of it (``smollm2:float16``), ``+compile`` with one
+    sequence's step compiled (``--compile``: compiled here, before anything is measured; the seconds it took kept
+    in ``COMPILE_S``)."""
+    name, plus, _ = name.partition("+compile")
     spec, _, dtype = name.partition(":")
-    return load_model(spec, device="cpu", kind="generate", dtype=dtype or "auto")
+    gen = load_model(spec, device="cpu", kind="generate", dtype=dtype or "auto")
+    if plus:
+        COMPILE_S[name + plus] = on_fresh_thread(use_compiled(gen).warm)
+    return gen
+
+
+COMPILE_S: dict[str, float] = {}
 
 
 def greedy_answers(gen: Any, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -180,7 +191,7 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
     for name, checks in ex["checks"].items():
         ok, parted = exact_of(checks)
         gaps = [f"{c['tie_gap']:.1e}" for c in parted]
-        dtype = name.partition(":")[2] or "float32"
+        dtype = name.partition(":")[2].partition("+")[0] or "float32"
         rows.append(row(f"exact: {name}'s greedy answers equal transformers' in {dtype}", len(checks) - len(parted),
                         f"{len(checks)} (ties)", ok,
                         f"{len(checks) - len(parted)} of {len(checks)} answers of {args.answer_tokens} tokens "
@@ -191,6 +202,9 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
         rows.append(row(f"{kind}: {name}'s greedy answers that differ from {first}'s", c["changed"], "(info)", None,
                         f"{c['changed']} of {c['questions']} answers of {args.answer_tokens} tokens; first changed "
                         f"tokens at {sorted(c['first_change'])[:12]}"))
+    for name, seconds in numbers.get("compile_s", {}).items():
+        rows.append(row(f"compile: {name}'s one-sequence step, seconds", seconds, "<= 60", seconds <= 60,
+                        "torch.compile at load, before anything was measured (a warm cache: a few seconds)"))
     roof = numbers["roofline"]
     for name, s in roof["steps"].items():
         rows.append(row(f"roofline: {name} decode step of 1 / its memory floor", per(s["measured_ms"], s["floor_ms"]),
@@ -218,7 +232,7 @@ def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", help="labserver's models, the first the exact default, NAME:DTYPE for another dtype "
-                    "(default smollm2,smollm2:float16,smollm2-q4)")
+                    "(default smollm2,smollm2:float16,smollm2:float16+compile,smollm2-q4)")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--warmup", type=float)
     ap.add_argument("--duration", type=float)
@@ -257,6 +271,7 @@ def main() -> int:
             numbers["peer"] = {"error": str(e)}
             print(f"SKIP llama-server: {e}", file=sys.stderr)
     gens = {name: load_gen(name) for name in numbers["models"]}
+    numbers["compile_s"] = COMPILE_S
     numbers["roofline"] = step_rows(gens, args)
     numbers["exact"] = exactness(gens, args)
     numbers["streams"] = streams(gens, exe, args)

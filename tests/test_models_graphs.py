@@ -96,3 +96,23 @@ def test_the_flag_reaches_the_limits() -> None:
     parse = build_parser().parse_args
     assert limits_from(parse(["serve", "--strategy", "gen-continuous", "--cuda-graphs"])).cuda_graphs
     assert not limits_from(parse(["serve", "--strategy", "gen-continuous"])).cuda_graphs
+
+
+def test_a_compiled_step_of_one_sequence_equals_the_eager_step(folders: dict[str, Path]) -> None:
+    """torch.compile of the one-sequence step (``--compile``), served: the same greedy tokens as the eager path,
+    a second sequence beside it runs eagerly, and the pool's new size costs no second compile."""
+    import httpx
+
+    eager = load_model(str(folders["llama"]), device="cpu", kind="generate")
+    body = {"prompt": "the cat sat on the mat", "max_new_tokens": 40, "ignore_eos": True}
+    with labserver.serve("gen-continuous", eager, device="cpu") as h:
+        want = httpx.post(h.url + "/generate", json=body, timeout=60).json()["tokens"]
+    compiled = load_model(str(folders["llama"]), device="cpu", kind="generate")
+    with labserver.serve("gen-continuous", compiled, device="cpu", compile=True) as h:  # (compiled while loading)
+        steps = compiled.graphs
+        assert steps.replays == 0  # (compiled over the scratch slot, before any request)
+        assert httpx.post(h.url + "/generate", json=body, timeout=60).json()["tokens"] == want
+        assert steps.replays == 39  # every decode step of one sequence went through the compiled code
+        assert not steps.fits([Chunk(1, [5], 9, (0,)), Chunk(2, [5], 9, (1,))])  # two: eager
+    with pytest.raises(ModelLoadError, match="choose one"):
+        labserver.serve("gen-continuous", "gpt2-tiny-random", device="cpu", compile=True, cuda_graphs=True)

@@ -68,6 +68,9 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
     p.add_argument("--cuda-graphs", action="store_true",
                    help="gen-*, on a GPU: replay decode steps from CUDA graphs (one launch a step instead of one a "
                         "kernel; steps padded to buckets)")
+    p.add_argument("--compile", action="store_true",
+                   help="gen-*: compile one sequence's decode step with torch.compile at startup (~35 s on 2 cores "
+                        "the first time; cached by torch after); one stream's steps then dispatch fewer ops")
     p.add_argument("--prefill", default=_LIMITS.prefill, choices=list(PREFILLS),
                    help="gen-continuous, gen-paged: prefill all that fit at every step, at most "
                         "--max-prefill-tokens, or in pieces inside each step (--max-step-tokens)")
@@ -124,6 +127,7 @@ def limits_from(args: argparse.Namespace) -> Limits:
         kv_block_tokens=args.kv_block_tokens,
         prefix_cache=args.prefix_cache,
         cuda_graphs=args.cuda_graphs,
+        compile=args.compile,
         prefill=args.prefill,
         max_prefill_tokens=args.max_prefill_tokens,
         max_step_tokens=args.max_step_tokens,

@@ -25,6 +25,7 @@ step runs eagerly, uncaptured (``capture=False``): how the tests check the paddi
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ import torch
 from .base import Chunk, ModelError, ModelLoadError
 from .kvcache import CallPlan
 
-__all__ = ["MIN_KEYS", "DecodeGraphs", "use_cuda_graphs"]
+__all__ = ["MIN_KEYS", "CompiledDecode", "DecodeGraphs", "use_compiled", "use_cuda_graphs"]
 
 MIN_KEYS = 64  # the fewest positions a bucket pads a sequence to
 
@@ -117,6 +118,81 @@ class DecodeGraphs:
         return inputs, graph, out
 
 
+class CompiledDecode:
+    """One sequence's one-token step through ``torch.compile`` (inductor): every layer as generated code.
+
+    On a CPU one stream's step is bound partly by the dispatch of its ops: ~70 a layer (norms,
+    the rotation, casts, the KV writes and reads, views), a few microseconds each on 2 cores.
+    Inductor fuses the elementwise ones into generated C++ loops and calls the matmuls as before.
+    Only a step of one sequence is compiled: that is where dispatch is a large share of the step
+    (several sequences spend it on their matmuls), and each batch size beyond one would be a
+    second compile of about as long. Its shapes are dynamic (its positions, the pool's slots),
+    so one compile serves every such step. Compiled code is cached by torch
+    (``TORCHINDUCTOR_CACHE_DIR``, by default under the system's temporary folder): a second start
+    on the same machine loads it instead of compiling again. Inductor keeps float16
+    intermediates in float32 inside a fused loop, so the last bits differ from the eager step's:
+    the greedy answers are checked against transformers' with the near-tie rule
+    (``benchmarks/onestream.py``).
+    """
+
+    capture = False
+
+    def __init__(self, gen: Any) -> None:
+        self.gen = gen
+        self.fn = torch.compile(self._step)
+        self.replays = 0
+
+    def clear(self) -> None:
+        """(The compiled code reads the pool's tensors, whatever their number of slots: nothing to forget.)"""
+
+    def fits(self, chunks: list[Chunk]) -> bool:
+        """One chunk of one token that samples, nothing to score."""
+        return len(chunks) == 1 and chunks[0].sample and len(chunks[0].tokens) == 1 and not chunks[0].score
+
+    def hidden(self, chunks: list[Chunk]) -> torch.Tensor:
+        """The final hidden state of the one chunk's token [1, width]."""
+        kv, (c,) = self.gen.kv, chunks
+        if len(c.blocks) * kv.block_tokens < c.end or any(not 0 <= x < kv.blocks for x in c.blocks):
+            raise ModelError(f"sequence {c.sid}: blocks {list(c.blocks)} do not hold positions 0..{c.end - 1} "
+                             f"in a pool of {kv.blocks}")
+        slots = kv.slots(c.blocks, 0, c.end)
+        self.replays += 1
+        return self._run(torch.tensor([c.tokens[0], c.start, slots[-1]], device=kv.device),
+                         torch.tensor(slots, device=kv.device))
+
+    def _run(self, head: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.maybe_mark_dynamic(read, 0)  # (any context: one compile)
+        return self.fn(head, read)  # type: ignore[no-any-return]
+
+    def _step(self, head: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+        """``head``: the token, its position, its slot; ``read``: the slots of every position it attends to."""
+        keys = read.shape[0]
+        mine = torch.ones((1, 1, 1, keys), dtype=torch.bool, device=read.device)
+        plan = CallPlan(head[2:3], [(head[:1] * 0, read, keys, mine)], [], (read, keys, mine))
+        return self.gen._forward(head[:1], head[1:2], plan)  # type: ignore[no-any-return]
+
+    def warm(self) -> float:
+        """Compile now (a step over the scratch slot alone), not at the first request's step; the seconds it took."""
+        start = time.perf_counter()
+        s, dev = self.gen.kv.scratch, self.gen.kv.device
+        with torch.inference_mode():
+            self._run(torch.tensor([0, 1, s], device=dev), torch.tensor([s, s], device=dev))
+        return time.perf_counter() - start
+
+
+def use_compiled(model: Any) -> CompiledDecode:
+    """Run ``model``'s one-token steps through ``torch.compile`` (``--compile``); the pool's slots made dynamic."""
+    from .paged import PagedLM
+
+    if not isinstance(model, PagedLM):
+        raise ModelLoadError(f"--compile compiles labserver's own forward pass; {getattr(model, 'name', model)!r} "
+                             "has none")
+    if isinstance(model.graphs, CompiledDecode):
+        return model.graphs
+    model.kv.dynamic = True
+    return model.use_graphs(CompiledDecode(model))  # type: ignore[no-any-return]
+
+
 def use_cuda_graphs(model: Any, max_batch: int | None, capture: bool | None = None) -> DecodeGraphs:
     """Replay ``model``'s decode steps from CUDA graphs, up to ``max_batch`` sequences (``--cuda-graphs``).
 
@@ -133,6 +209,6 @@ def use_cuda_graphs(model: Any, max_batch: int | None, capture: bool | None = No
             raise ModelLoadError(f"--cuda-graphs needs a CUDA device; {model.name} is on {model.kv.device.type}")
         capture = True
     have = model.graphs
-    if have is not None and have.capture == capture and have.max_batch >= _bucket(max_batch or 32):
+    if isinstance(have, DecodeGraphs) and have.capture == capture and have.max_batch >= _bucket(max_batch or 32):
         return have  # (already on: a benchmark's model served again)
     return model.use_graphs(DecodeGraphs(model, max_batch or 32, capture))

@@ -71,6 +71,7 @@ class PagedKV:
         self.device, self.dtype = device, dtype
         half = dtype in (torch.float16, torch.bfloat16)
         self.compute = torch.float32 if half and torch.device(device).type == "cpu" else dtype  # attention's dtype
+        self.dynamic = False  # its slots a dynamic dimension to torch.compile (labserver.models.graphs)
         self.allocate(0, 16)
 
     def allocate(self, blocks: int, block_tokens: int, spare: bool = False) -> None:
@@ -82,6 +83,9 @@ class PagedKV:
         shape = ((blocks + spare) * block_tokens, self.heads, self.head_dim)
         self.k = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
         self.v = [torch.empty(shape, device=self.device, dtype=self.dtype) for _ in range(self.layers)]
+        if self.dynamic and shape[0] > 1:  # compiled steps (--compile) serve a pool of any size
+            for t in (*self.k, *self.v):
+                torch._dynamo.mark_dynamic(t, 0)
 
     @property
     def bytes_per_token(self) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..config import ServerConfig
 from ..engine import EngineBase, make_engine
-from ..models import GenModel, Model, ModelLoadError, load_model
+from ..models import GenModel, Model, ModelLoadError, load_model, on_fresh_thread
 from ..strategies import GenStrategy, make_strategy, strategy_names
 from .looplag import LagMonitor
 
@@ -67,10 +67,19 @@ class Runtime:
                                                      paged=self.strategy.paged)
             if generate != isinstance(self.model, GenModel):
                 raise ModelLoadError(_mismatch(self.strategy.name, cfg.model, generate))
-            if self.strategy.limits.cuda_graphs:
+            limits = self.strategy.limits
+            if limits.cuda_graphs and limits.compile:
+                raise ModelLoadError("--cuda-graphs and --compile each take over the decode step: choose one")
+            if limits.cuda_graphs:
                 from ..models.graphs import use_cuda_graphs
 
-                use_cuda_graphs(self.model, self.strategy.limits.max_batch_size)
+                use_cuda_graphs(self.model, limits.max_batch_size)
+            if limits.compile:
+                from ..models.graphs import use_compiled
+
+                # (on a thread that ends with it: no OpenMP team left beside the model thread's; models.base)
+                took = await asyncio.to_thread(on_fresh_thread, use_compiled(self.model).warm)
+                logger.info("compiled %s's one-sequence step in %.1f s", cfg.model, took)
         except ModelLoadError as e:
             self.state, self.load_error = "failed", str(e)
             logger.error("model %r failed to load: %s", cfg.model, e, exc_info=e.__cause__)
