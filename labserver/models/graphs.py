@@ -1,4 +1,8 @@
-"""Decode steps replayed from CUDA graphs: each step shape captured once, then a step is one copy in and one replay.
+"""Decode steps taken over from the eager forward: replayed from CUDA graphs on a GPU, or compiled for one stream.
+
+``DecodeGraphs`` (``--cuda-graphs``, a GPU): each step shape captured once, then a step is one
+copy in and one replay. ``CompiledDecode`` (``--compile``, any device, made for a CPU's one
+stream): one sequence's step through ``torch.compile``; its class says why and what it costs.
 
 On a GPU one decode step is a few hundred small kernels (a 30-layer model: norms, the
 projections, the rotation, the KV writes and reads, attention, the residual adds), each
@@ -30,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .base import Chunk, ModelError, ModelLoadError
+from .base import Chunk, ModelLoadError
 from .kvcache import CallPlan
 
 __all__ = ["MIN_KEYS", "CompiledDecode", "DecodeGraphs", "use_compiled", "use_cuda_graphs"]
@@ -74,10 +78,7 @@ class DecodeGraphs:
         scratch = kv.scratch
         packed = [0] * (4 * n) + [scratch] * (n * keys)  # ids | positions | write slots | lengths | read slots
         for i, c in enumerate(chunks):
-            if len(c.blocks) * kv.block_tokens < c.end or any(not 0 <= x < kv.blocks for x in c.blocks):
-                raise ModelError(f"sequence {c.sid}: blocks {list(c.blocks)} do not hold positions 0..{c.end - 1} "
-                                 f"in a pool of {kv.blocks}")
-            slots = kv.slots(c.blocks, 0, c.end)
+            slots = kv.table_slots(c)
             packed[i], packed[n + i], packed[2 * n + i], packed[3 * n + i] = c.tokens[0], c.start, slots[-1], c.end
             packed[4 * n + i * keys:4 * n + (i + 1) * keys] = slots + slots[:1] * (keys - len(slots))
         for i in range(len(chunks), n):  # padding rows: position 0, one key, the scratch slot only
@@ -152,10 +153,7 @@ class CompiledDecode:
     def hidden(self, chunks: list[Chunk]) -> torch.Tensor:
         """The final hidden state of the one chunk's token [1, width]."""
         kv, (c,) = self.gen.kv, chunks
-        if len(c.blocks) * kv.block_tokens < c.end or any(not 0 <= x < kv.blocks for x in c.blocks):
-            raise ModelError(f"sequence {c.sid}: blocks {list(c.blocks)} do not hold positions 0..{c.end - 1} "
-                             f"in a pool of {kv.blocks}")
-        slots = kv.slots(c.blocks, 0, c.end)
+        slots = kv.table_slots(c)
         self.replays += 1
         return self._run(torch.tensor([c.tokens[0], c.start, slots[-1]], device=kv.device),
                          torch.tensor(slots, device=kv.device))

@@ -96,6 +96,13 @@ class PagedKV:
         b = self.block_tokens
         return [table[p // b] * b + p % b for p in range(start, end)]
 
+    def table_slots(self, c: Chunk) -> list[int]:
+        """The slots of a chunk's positions 0..end - 1, its table checked against the pool first."""
+        if len(c.blocks) * self.block_tokens < c.end or any(not 0 <= x < self.blocks for x in c.blocks):
+            raise ModelError(f"sequence {c.sid}: blocks {list(c.blocks)} do not hold positions 0..{c.end - 1} "
+                             f"in a pool of {self.blocks}")
+        return self.slots(c.blocks, 0, c.end)
+
     def plan(self, chunks: Sequence[Chunk]) -> CallPlan:
         """Check each chunk's table against the pool and turn positions into slots."""
         dev = self.device
@@ -103,10 +110,7 @@ class PagedKV:
         decoders: list[tuple[int, list[int]]] = []  # (row in the call, the slots of all its positions)
         prompts = []
         for c in chunks:
-            if len(c.blocks) * self.block_tokens < c.end or any(not 0 <= x < self.blocks for x in c.blocks):
-                raise ModelError(f"sequence {c.sid}: blocks {list(c.blocks)} do not hold positions 0..{c.end - 1} "
-                                 f"in a pool of {self.blocks}")
-            every = self.slots(c.blocks, 0, c.end)
+            every = self.table_slots(c)
             a, n = len(write), len(c.tokens)
             write += every[c.start:]
             if n == 1:  # one query: it sees every position
