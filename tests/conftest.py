@@ -25,14 +25,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 RAY_TESTS = ("tests/test_replicas.py", "tests/test_replicas_cli.py", "test_notebook_runs[10_replicas")
+TIMED = ("tests/test_queueing_theory.py", "test_a_compiled_step_of_one_sequence",  # live latencies within 10 %,
+         "test_notebook_runs[09_kv")  # and torch.compile, which takes both cores for ~20 s: never side by side
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under ``pytest -n`` (``make test``), the tests that start a local Ray run one after another on one
-    worker: two Ray instances at once would double the processes each starts on two cores."""
+    worker: two Ray instances at once would double the processes each starts on two cores. So do the
+    queueing-theory tests and the test that compiles a step (``TIMED``)."""
     for item in items:
         if any(part in item.nodeid for part in RAY_TESTS):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        elif any(part in item.nodeid for part in TIMED):
+            item.add_marker(pytest.mark.xdist_group("timed"))
 
 
 @pytest.fixture
