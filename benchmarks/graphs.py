@@ -27,7 +27,6 @@ graphed step of the largest batch <= 0.8x transformers' dense-cache step (``serv
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -40,10 +39,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 from genperf import Checks, row, write_results  # noqa: E402
+from onestream import greedy_answers  # noqa: E402
+from servedperf import dense_step_ms  # noqa: E402
 
 from labserver.experiments.roofline import bytes_read, decode_chunks, step_ms  # noqa: E402
 from labserver.experiments.runs import machine_info  # noqa: E402
-from labserver.models import Chunk, load_model  # noqa: E402
+from labserver.models import load_model  # noqa: E402
 from labserver.models.graphs import use_cuda_graphs  # noqa: E402
 
 
@@ -65,38 +66,9 @@ def read_gb_s(device: str, mb: int) -> float:
     return mb / 1e3 / best
 
 
-def dense_step_ms(gen: Any, batch: int, context: int, device: str, steps: int = 30) -> float:
-    """transformers' model with its dense cache: the median ms of one decode step of ``batch`` sequences."""
-    model = gen.hf_model
-    ids = torch.randint(100, 1000, (batch, context), generator=torch.Generator().manual_seed(0)).to(model.device)
-    times = []
-    with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(steps + 3):
-            sync(device)
-            t0 = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            sync(device)
-            times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times[3:])
-
-
 def greedy(gen: Any, b: int, context: int, tokens: int) -> list[list[int]]:
     """``b`` prompts of ``context`` tokens, ``tokens`` greedy tokens each, decoded together."""
-    per = -(-(context + tokens + 1) // 16)
-    gen.allocate_kv(b * per, 16)
-    tables = [tuple(range(i * per, (i + 1) * per)) for i in range(b)]
-    prompts = [[(11 * i + k) % 900 + 50 for k in range(context)] for i in range(b)]
-    outs = gen.forward([Chunk(i + 1, p, 0, tables[i]) for i, p in enumerate(prompts)])
-    answers = [[int(t)] for t in outs]
-    for _ in range(tokens - 1):
-        chunks = [Chunk(i + 1, [a[-1]], context + len(a) - 1, tables[i], decode=True) for i, a in enumerate(answers)]
-        for a, t in zip(answers, gen.forward(chunks), strict=True):
-            a.append(int(t))
-    gen.release(list(range(1, b + 1)))
-    return answers
+    return greedy_answers(gen, [[(11 * i + k) % 900 + 50 for k in range(context)] for i in range(b)], tokens)
 
 
 def random_of_shape(folder: str, into: Path) -> Path:
@@ -121,7 +93,7 @@ def measure(spec: str, label: str, args: argparse.Namespace, batches: list[int],
     for b in batches:
         m[f"floor_ms_{b}"] = (bytes_read(gen) + b * args.context * gen.kv_bytes_per_token) / (bandwidth * 1e9) * 1e3
         m[f"eager_ms_{b}"] = step_ms(gen, decode_chunks(gen, b, args.context), args.steps)
-    m["dense_ms"] = dense_step_ms(gen, top, args.context, args.device)
+    m["dense_ms"] = dense_step_ms(gen, top, args.context)
     eager = greedy(gen, top, args.context, args.tokens)
     try:
         graphs = use_cuda_graphs(gen, top, capture=None if args.device.startswith("cuda") else False)
