@@ -22,8 +22,10 @@ one run, on the model labserver serves (``--model``, default ``smollm2``):
    KV pool's gathers and writes, norms and other elementwise ops, views and op wrappers, sampling; and
    the rest of the wall time, the Python and dispatch between ops, which no op accounts for; and the
    rate at which the matmuls read the weights, beside the machine's read bandwidth;
-5. **the same matrix-vector products alone**, on the model's own weights in two layouts (as stored,
-   ``linear(x, W)``; transposed once, ``x @ W.T`` contiguous), the layers' and the output head's, GB/s read.
+5. **the same products alone**, on the model's own weights in three layouts (as stored,
+   ``linear(x, W)``; transposed once, ``x @ W.T`` contiguous; oneDNN's own, reordered once, which
+   labserver multiplies float32 with on a CPU), the layers' and the output head's, at one row and at
+   32 rows: ms each, and GB/s read at one row.
 
 INFO throughout: it states a floor, it sets no goal.
 """
@@ -73,7 +75,7 @@ def main() -> int:
         gen.release([c.sid for c in chunks])
     one = decode_chunks(gen, 1, args.context)
     prof = profile_step(gen, one, w["vocab"], args.steps)
-    lay = layouts(gen, args.repeats)
+    lay = {rows: layouts(gen, args.repeats, rows) for rows in (1, 32)}
     print(f"model {args.model}: {w['params'] / 1e6:.1f} M parameters, {w['bytes_read'] / 1e6:.0f} MB read a step "
           f"(the output head {w['head_params'] / 1e6:.1f} M of them, vocabulary {w['vocab']:,}), KV {kv:,} bytes a "
           f"token")
@@ -99,9 +101,14 @@ def main() -> int:
           f"({w['bytes_read'] / 1e6:.0f} MB in {mm_ms:.2f} ms), against {m['read_gb_s']:.1f} GB/s for a sum")
     print(f"{prof['op_calls']} op calls a step; the costliest ops (self CPU ms a step, calls):")
     print(", ".join(f"{k} {v:.2f} ({n})" for k, v, n in prof["top_ops"]))
-    print(f"\nthe same matrix-vector products alone (GB/s read): the layers' weights as linear(x, W) "
-          f"{lay['layers_linear_gb_s']:.1f}, as x @ W.T made contiguous {lay['layers_transposed_gb_s']:.1f}; "
-          f"the output head {lay['head_linear_gb_s']:.1f} and {lay['head_transposed_gb_s']:.1f}")
+    one, many = lay[1], lay[32]
+    print("\nthe same products alone, ms (GB/s read at one row), on the layers' weights and on the output head:")
+    print("| layout | layers, 1 row | head, 1 row | layers, 32 rows | head, 32 rows |\n|---|---|---|---|---|")
+    for kind in ("linear", "transposed", "onednn"):
+        if f"layers_{kind}_ms" in one:
+            print(f"| {kind} | {one[f'layers_{kind}_ms']:.2f} ({one['layers_mb'] / one[f'layers_{kind}_ms']:.1f}) | "
+                  f"{one[f'head_{kind}_ms']:.2f} ({one['head_mb'] / one[f'head_{kind}_ms']:.1f}) | "
+                  f"{many[f'layers_{kind}_ms']:.2f} | {many[f'head_{kind}_ms']:.2f} |")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"model": args.model, "context": args.context, "machine": m,

@@ -255,21 +255,47 @@ def test_the_readme_chat_example_prints_what_the_readme_shows() -> None:
     assert out.getvalue() == shown
 
 
-# -- its layouts: the float weights rearranged, the GGUF's own 4-bit blocks ----------------------------------
+# -- its layouts: oneDNN's, the float weights side by side, the GGUF's own 4-bit blocks ----------------------------------
 
-def test_the_float_layout_holds_every_weight_once_and_transformers_still_computes(model: Any, hf: Any) -> None:
-    """Each projection's weight is a view of one [in, out] tensor per group (q/k/v, gate/up): no second copy."""
+def test_float32_multiplies_through_onednn_beside_transformers_own_weights(model: Any, hf: Any) -> None:
+    """float32 on a CPU: each group (q/k/v, gate/up) reordered once into oneDNN's layout; the modules keep their own
+    weights, which transformers computes with, and both compute the same projection."""
     layer, packed = hf.model.layers[0], model._packed[0]
-    base = packed.qkv.weight.untyped_storage().data_ptr()
-    for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-        assert proj.weight.untyped_storage().data_ptr() == base
-    assert packed.qkv.weight.shape == (576, 576 + 192 + 192) and packed.gate_up.weight.is_contiguous()
-    head = hf.get_output_embeddings().weight
+    assert packed.qkv.onednn and packed.qkv.shape == (576 + 192 + 192, 576) and packed.gate_up.shape == (2 * 1536, 576)
+    assert packed.qkv.nbytes == (576 + 192 + 192) * 576 * 4  # what a step reads: the weight's own bytes
+    assert model._head_proj.onednn and model._head_proj.shape == (49_152, 576)
+    q, head = layer.self_attn.q_proj.weight, hf.get_output_embeddings().weight
+    assert q.shape == (576, 576) and q.is_contiguous() and not q.is_mkldnn  # transformers' own, as loaded
+    assert packed.qkv.weight.is_mkldnn  # oneDNN's own tensor beside it, not a view a module could share
     assert head.untyped_storage().data_ptr() == hf.get_input_embeddings().weight.untyped_storage().data_ptr()
-    assert head.t().is_contiguous()  # read as [width, vocab] by the logits
-    x = torch.randn(2, 576)
+    x = torch.randn(3, 576)
     with torch.inference_mode():
         assert torch.allclose(layer.self_attn.k_proj(x), packed.qkv(x)[:, 576:768], atol=1e-5)
+        assert torch.allclose(layer.mlp.up_proj(x), packed.gate_up(x)[:, 1536:], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_lays_the_weights_side_by_side_and_holds_each_once(dtype: torch.dtype) -> None:
+    """float16 and bfloat16: one [sum of outs, in] tensor of which each module's weight (nn.Linear, or GPT-2's
+    Conv1D stored [in, out]) becomes a view; one matmul computes what each module computes."""
+    from transformers.pytorch_utils import Conv1D
+
+    from labserver.models.linear import Dense
+
+    torch.manual_seed(0)
+    q, k = torch.nn.Linear(64, 64, bias=False).to(dtype), torch.nn.Linear(64, 32, bias=False).to(dtype)
+    conv = Conv1D(48, 64).to(dtype)
+    x = torch.randn(2, 64, dtype=dtype)
+    with torch.inference_mode():
+        expected = [q(x), k(x), conv(x)]
+        both, alone = Dense(q, k), Dense(conv)
+        assert not both.onednn and both.weight.shape == (96, 64) and both.weight.is_contiguous()
+        assert q.weight.untyped_storage().data_ptr() == k.weight.untyped_storage().data_ptr() \
+            == both.weight.untyped_storage().data_ptr()
+        assert conv.weight.shape == (64, 48) and conv.weight.t().is_contiguous()  # still [in, out] to transformers
+        assert torch.equal(both(x), torch.cat(expected[:2], 1)) and torch.equal(q(x), expected[0])
+        assert torch.equal(alone(x), conv(x))  # Conv1D's own addmm, now on the [out, in] memory
+        assert torch.allclose(conv(x), expected[2], atol=2e-2)  # (another kernel: the last bits of a half may move)
 
 
 def test_smollm2_q4_runs_the_gguf_blocks_and_says_it_may_differ(model: Any) -> None:

@@ -14,7 +14,7 @@ print and notebook 9 draws:
   paged pool (the call a server's engine makes), timed;
 - ``profile_step``: one step under ``torch.profiler``, its self CPU time by slice (``SLICES``),
   and the Python and dispatch between ops that no op accounts for;
-- ``layouts``: the same matrix-vector products over a model's weights in two layouts.
+- ``layouts``: the same products over a model's weights in three layouts (oneDNN's among them).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ __all__ = ["SLICES", "best_s", "bytes_read", "decode_chunks", "floors", "layouts
            "profile_step", "step_ms", "weights"]
 
 SLICES = {  # op name -> slice (ops not named: "other ops")
-    "aten::mm": "matmuls", "aten::addmm": "matmuls", "aten::bmm": "matmuls",
+    "aten::mm": "matmuls", "aten::addmm": "matmuls", "aten::bmm": "matmuls", "mkldnn::_linear_pointwise": "matmuls",
+    "labserver::onednn_linear": "matmuls",
     "aten::scaled_dot_product_attention": "attention", "aten::_scaled_dot_product_flash_attention_for_cpu":
     "attention", "aten::softmax": "attention", "aten::_softmax": "attention", "aten::index_select": "KV gather/write",
     "aten::index": "KV gather/write", "aten::index_put_": "KV gather/write", "aten::_index_put_impl_": "KV gather/write",
@@ -178,29 +179,34 @@ def profile_step(gen: Any, chunks: list[Chunk], vocab: int, steps: int) -> dict[
             "top_ops": [(k, round(v, 4), calls[k]) for k, v in top], "op_calls": sum(calls.values())}
 
 
-def layouts(gen: Any, repeats: int) -> dict[str, float]:
-    """One sequence's matrix-vector products over the model's own weights, in two layouts, GB/s read: as
-    ``linear(x, W)`` (W as stored, [out, in]) and as ``x @ Wt`` (its transpose made contiguous once); the
-    layers' weights are cycled through, so they come from memory, as in a step."""
+def layouts(gen: Any, repeats: int, rows: int = 1) -> dict[str, float]:
+    """``rows`` sequences' products with the model's own weights in three layouts, ms each (the median of
+    ``repeats``): ``linear`` (``linear(x, W)``, W as transformers stores it, ``[out, in]``), ``transposed``
+    (``x @ Wt``, its transpose made contiguous once) and ``onednn`` (W reordered once into oneDNN's own layout for
+    ``ONEDNN_ROWS`` rows, float32 on a CPU only: what ``Dense`` multiplies with there); for the layers' weights,
+    cycled through so they come from memory as in a step, and for the output head. Also the MB each reads."""
     import torch.nn.functional as F
+
+    from ..models.linear import ONEDNN_ROWS, onednn_packs, out_in
 
     hf = gen.hf_model
     head = hf.get_output_embeddings().weight.detach()
-    layers = [m.weight.detach() for m in hf.modules() if isinstance(m, torch.nn.Linear) and m.weight is not head]
-    flipped = [w.t().contiguous() for w in layers]
-    xs = {n: torch.randn(1, n) for n in {w.shape[1] for w in layers} | {head.shape[1]}}
-    layer_mb = sum(w.numel() * w.element_size() for w in layers) / 1e6
-    head_mb = head.numel() * head.element_size() / 1e6
-    out = {}
+    layers = [out_in(m) for m in hf.modules() if getattr(m, "weight", None) is not None and m.weight.dim() == 2
+              and (isinstance(m, torch.nn.Linear) or getattr(m, "nf", None)) and m.weight is not head]
+    xs = {n: torch.randn(rows, n, dtype=head.dtype) for n in {w.shape[1] for w in layers} | {head.shape[1]}}
+    out = {"layers_mb": sum(w.numel() * w.element_size() for w in layers) / 1e6,
+           "head_mb": head.numel() * head.element_size() / 1e6, "rows": rows}
+    kinds: dict[str, Any] = {"linear": (lambda w: w, lambda x, w: F.linear(x, w)),
+                             "transposed": (lambda w: w.t().contiguous(), lambda x, w: x @ w)}
+    if onednn_packs(head):
+        kinds["onednn"] = (lambda w: (torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_ROWS), w.shape[1]),
+                           lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w[0], None, "none", [], ""))
     with torch.inference_mode():
-        out["layers_linear_gb_s"] = layer_mb / 1e3 / median_s(lambda: [F.linear(xs[w.shape[1]], w) for w in layers],
-                                                             repeats)
-        out["layers_transposed_gb_s"] = layer_mb / 1e3 / median_s(lambda: [xs[w.shape[0]] @ w for w in flipped],
-                                                                 repeats)
-        flipped_head = head.t().contiguous()
-        x = xs[head.shape[1]]
-        out["head_linear_gb_s"] = head_mb / 1e3 / median_s(lambda: F.linear(x, head), repeats)
-        out["head_transposed_gb_s"] = head_mb / 1e3 / median_s(lambda: x @ flipped_head, repeats)
+        for kind, (lay, mul) in kinds.items():
+            held = [(lay(w), xs[w.shape[1]]) for w in layers]
+            out[f"layers_{kind}_ms"] = 1000 * median_s(lambda: [mul(x, w) for w, x in held], repeats)
+            w, x = lay(head), xs[head.shape[1]]
+            out[f"head_{kind}_ms"] = 1000 * median_s(lambda: mul(x, w), repeats)
     return out
 
 

@@ -34,7 +34,7 @@ from transformers import BertTokenizerFast, GPT2Config, GPT2LMHeadModel
 
 from .base import MEANINGLESS, minilm_dir, pick_device, pick_dtype
 from .kvcache import CallPlan
-from .linear import rows_first
+from .linear import Dense
 from .paged import Costs, PagedLM
 
 logger = logging.getLogger(__name__)
@@ -48,12 +48,6 @@ def _layer_norm(x: torch.Tensor, ln: torch.nn.LayerNorm) -> torch.Tensor:
     return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
 
 
-def _conv1d(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-    """GPT-2's Conv1D is a linear layer whose weight is stored [in, out] (transposed from nn.Linear); in half
-    precision ``GPT2Gen`` lays it out [out, in] in memory (a transposed view), which ``addmm`` reads as linear."""
-    return torch.addmm(layer.bias, x.reshape(-1, x.shape[-1]), layer.weight).view(*x.shape[:-1], -1)
-
-
 class GPT2Gen(PagedLM):
     """A GenModel over a GPT-2 made by transformers, run by ``_forward`` over a ``PagedKV`` pool."""
 
@@ -65,11 +59,8 @@ class GPT2Gen(PagedLM):
         super().__init__(name, hf_model, tokenizer, layers=config.n_layer, kv_heads=config.n_head,
                          head_dim=config.n_embd // config.n_head, max_context=config.n_positions, eos_id=eos_id,
                          note=note, start_id=start_id)
-        if rows_first(hf_model.dtype):  # float16, bfloat16: their CPU kernels read [out, in] far faster
-            with torch.no_grad():
-                for block in hf_model.transformer.h:
-                    for conv in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-                        conv.weight.data = conv.weight.detach().t().contiguous().t()  # same numbers, rows first
+        self._dense = [tuple(Dense(conv) for conv in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj))
+                       for b in hf_model.transformer.h]  # Conv1D weights as Dense lays them out for the dtype
         tanh_gelu = config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
         self._act = (lambda h: F.gelu(h, approximate="tanh")) if tanh_gelu else hf_model.transformer.h[0].mlp.act
 
@@ -85,16 +76,16 @@ class GPT2Gen(PagedLM):
         x = gpt.wte(ids) + gpt.wpe(positions)  # [tokens, width]
         t, width = x.shape
         costs = self.costs
-        for i, block in enumerate(gpt.h):
+        for i, (block, (c_attn, c_proj, c_fc, mlp_proj)) in enumerate(zip(gpt.h, self._dense, strict=True)):
             t0 = time.perf_counter() if costs else 0.0
-            qkv = _conv1d(_layer_norm(x, block.ln_1), block.attn.c_attn)
+            qkv = c_attn(_layer_norm(x, block.ln_1))
             q, k, v = (part.view(t, heads, width // heads) for part in qkv.split(width, dim=-1))
             t1 = time.perf_counter() if costs else 0.0
             attended = self.kv.attend(i, q, k, v, plan).reshape(t, width)
             t2 = time.perf_counter() if costs else 0.0
-            x = x + _conv1d(attended, block.attn.c_proj)
-            h = self._act(_conv1d(_layer_norm(x, block.ln_2), block.mlp.c_fc))  # GPT-2's "gelu_new": tanh
-            x = x + _conv1d(h, block.mlp.c_proj)
+            x = x + c_proj(attended)
+            h = self._act(c_fc(_layer_norm(x, block.ln_2)))  # GPT-2's "gelu_new": tanh
+            x = x + mlp_proj(h)
             if costs:
                 costs.attention_s += t2 - t1
                 costs.matmul_s += t1 - t0 + time.perf_counter() - t2

@@ -5,11 +5,17 @@ products, bound by how fast the weights are read. Two ways to read fewer bytes, 
 faster, each a projection object called as ``proj(x)``:
 
 - ``Dense``: the float weights, several projections of one input (q, k, v; gate, up) side by
-  side as one matmul, in the layout the dtype's CPU kernel reads fastest (``side_by_side``):
-  float32 ``[in, out]`` (``x @ W``), which torch's CPU matmul reads about 1.4x faster than
-  the ``[out, in]`` transformers stores when one row is multiplied; float16 and bfloat16 keep
-  ``[out, in]`` (``linear(x, W)``): their kernels read the transpose up to 10x slower.
-  Exact: the same numbers, only their order in memory changes.
+  side as one matmul, in the layout the dtype's CPU kernel reads fastest. float32 on a CPU goes
+  to oneDNN (``torch.ops.mkldnn``): the weight reordered once into oneDNN's own blocked layout
+  for a batch of ``ONEDNN_ROWS`` rows, then multiplied without the per-call repacking torch's
+  default matmul does, about 2x faster at 16 to 32 rows and 1.2x at one (``benchmarks/roofline.py``
+  prints it). That copy is held beside the module's own weight, which transformers still
+  computes with: float32 on a CPU holds its projections twice. float16 and bfloat16 (and
+  float32 without oneDNN) lay the modules' weights out side by side instead (``side_by_side``),
+  nothing held twice: float16 and bfloat16 ``[out, in]`` (``linear(x, W)``: their kernels
+  read the transpose up to 10x slower), float32 ``[in, out]`` (``x @ W``). Exact: greedy
+  answers equal transformers' but at near-ties, as any change of summation order may
+  (``benchmarks/onestream.py`` counts them).
 - ``Int4``: a GGUF's Q4_1 blocks as they are (32 weights share a scale ``d`` and a minimum
   ``m``; weight = d * q + m, q in 0..15), in torch's int4 CPU kernel: an eighth of float32's
   bytes. The kernel multiplies in bfloat16 (the activations and each block's scale and
@@ -25,62 +31,111 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Dense", "GROUP", "Int4", "biases", "q4_1_blocks", "rows_first", "side_by_side"]
+__all__ = ["Dense", "GROUP", "Int4", "ONEDNN_ROWS", "biases", "onednn_packs", "out_in", "q4_1_blocks", "rows_first",
+           "side_by_side"]
 
 GROUP = 32  # weights per Q4_1 block (one scale and one minimum each)
 
 
 ROWS_FIRST = (torch.float16, torch.bfloat16)  # dtypes whose CPU matmul reads [out, in] fastest
+ONEDNN_ROWS = 32  # the batch oneDNN lays a weight out for: as fast as a layout for 1 at one row, 1.5x at 32
 
 
 def rows_first(dtype: torch.dtype) -> bool:
-    """Whether ``Dense`` keeps this dtype's weights ``[out, in]`` (else ``[in, out]``)."""
+    """Whether ``side_by_side`` keeps this dtype's weights ``[out, in]`` (else ``[in, out]``)."""
     return dtype in ROWS_FIRST
 
 
-def side_by_side(*linears: Any) -> torch.Tensor:
-    """These ``nn.Linear`` weights (one input) side by side in one contiguous tensor, of which each module's
-    weight becomes a view: float32 transposed once, ``[in, sum of outs]`` (``x @ packed``); float16 and
-    bfloat16 ``[sum of outs, in]`` (``F.linear(x, packed)``). One matmul computes all of them, and each
-    module still computes its own part (``F.linear(x, W)``: a block of ``packed``). Nothing is held twice."""
+def onednn_packs(weight: torch.Tensor) -> bool:
+    """Whether ``Dense`` multiplies by this weight through oneDNN: float32 on a CPU, where torch has oneDNN."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _conv1d(module: Any) -> bool:
+    """GPT-2's ``Conv1D``: a linear layer whose weight is stored ``[in, out]``."""
+    return getattr(module, "nf", None) is not None and not isinstance(module, torch.nn.Linear)
+
+
+def out_in(module: Any) -> torch.Tensor:
+    """A module's weight as ``[out, in]`` (a view; a ``Conv1D``'s transposed)."""
+    w = module.weight.detach()
+    return w.t() if _conv1d(module) else w
+
+
+def side_by_side(*modules: Any) -> torch.Tensor:
+    """These modules' weights (one input; ``nn.Linear`` or ``Conv1D``) side by side in one contiguous tensor, of
+    which each module's weight becomes a view: float32 ``[in, sum of outs]`` (``x @ packed``); float16 and bfloat16
+    ``[sum of outs, in]`` (``F.linear(x, packed)``). One matmul computes all of them, and each module still
+    computes its own part from a block of ``packed``. Nothing is held twice."""
     with torch.no_grad():
-        stacked = torch.cat([m.weight.detach() for m in linears], 0)
+        stacked = torch.cat([out_in(m) for m in modules], 0)
         rows = rows_first(stacked.dtype)
         packed = stacked.contiguous() if rows else stacked.t().contiguous()
         start = 0
-        for m in linears:
-            n = m.weight.shape[0]
-            m.weight.data = packed[start:start + n] if rows else packed[:, start:start + n].t()
+        for m in modules:
+            n = out_in(m).shape[0]
+            block = packed[start:start + n] if rows else packed[:, start:start + n].t()  # [out, in]
+            m.weight.data = block.t() if _conv1d(m) else block
             start += n
     return packed
 
 
-def biases(*linears: Any) -> torch.Tensor | None:
+def biases(*modules: Any) -> torch.Tensor | None:
     """Their biases end to end (zeros for one without), or None when none has one."""
-    if all(m.bias is None for m in linears):
+    if all(m.bias is None for m in modules):
         return None
-    return torch.cat([torch.zeros(m.weight.shape[0], dtype=m.weight.dtype, device=m.weight.device) if m.bias is None
-                      else m.bias.detach() for m in linears])
+    return torch.cat([torch.zeros(out_in(m).shape[0], dtype=m.weight.dtype, device=m.weight.device)
+                      if m.bias is None else m.bias.detach() for m in modules])
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-class Dense:
-    """Several ``nn.Linear`` of one input as one matmul, ``x W^T (+ bias)``, the weight in its dtype's layout."""
+@torch.library.custom_op("labserver::onednn_linear", mutates_args=())
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear as one opaque op, for ``torch.compile``: inductor calls it as it is (its lowering of oneDNN's
+    own op wants the weight as a constant of the graph, which a weight held by the model is not)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
-    def __init__(self, *linears: Any) -> None:
-        self.weight, self.bias = side_by_side(*linears), biases(*linears)
-        self.rows = rows_first(self.weight.dtype)  # [out, in]: F.linear; else [in, out]: x @ W
-        self.outs = [m.weight.shape[0] for m in linears]
+
+@_onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+class Dense:
+    """Several linear modules of one input as one matmul, ``x W^T (+ bias)``: oneDNN's layout (float32 on a CPU) or
+    the modules' weights side by side in their dtype's layout."""
+
+    def __init__(self, *modules: Any) -> None:
+        self.outs = [out_in(m).shape[0] for m in modules]
+        self.bias = biases(*modules)
+        first = modules[0].weight
+        self.onednn = onednn_packs(first)
+        if self.onednn:
+            with torch.no_grad():
+                stacked = torch.cat([out_in(m) for m in modules], 0).contiguous()
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, ONEDNN_ROWS)
+            self.shape = tuple(stacked.shape)  # (oneDNN's tensor has its own strides: only its bytes are ours)
+            self.rows = True
+        else:
+            self.weight = side_by_side(*modules)
+            self.rows = rows_first(self.weight.dtype)  # [out, in]: F.linear; else [in, out]: x @ W
+            self.shape = tuple(self.weight.shape) if self.rows else tuple(self.weight.shape[::-1])
+        self.itemsize = first.element_size()
 
     @property
     def nbytes(self) -> int:
         """Bytes a multiplication reads: the weight (and bias)."""
-        return _nbytes(self.weight, self.bias)
+        return self.shape[0] * self.shape[1] * self.itemsize + _nbytes(self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn:
+            if torch.compiler.is_compiling():
+                return _onednn_linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.rows:
             return F.linear(x, self.weight, self.bias)
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
