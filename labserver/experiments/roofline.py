@@ -187,7 +187,7 @@ def layouts(gen: Any, repeats: int, rows: int = 1) -> dict[str, float]:
     cycled through so they come from memory as in a step, and for the output head. Also the MB each reads."""
     import torch.nn.functional as F
 
-    from ..models.linear import ONEDNN_ROWS, onednn_packs, out_in
+    from ..models.linear import onednn_linear, onednn_packs, onednn_weight, out_in
 
     hf = gen.hf_model
     head = hf.get_output_embeddings().weight.detach()
@@ -199,8 +199,7 @@ def layouts(gen: Any, repeats: int, rows: int = 1) -> dict[str, float]:
     kinds: dict[str, Any] = {"linear": (lambda w: w, lambda x, w: F.linear(x, w)),
                              "transposed": (lambda w: w.t().contiguous(), lambda x, w: x @ w)}
     if onednn_packs(head):
-        kinds["onednn"] = (lambda w: (torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_ROWS), w.shape[1]),
-                           lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w[0], None, "none", [], ""))
+        kinds["onednn"] = (onednn_weight, onednn_linear)
     with torch.inference_mode():
         for kind, (lay, mul) in kinds.items():
             held = [(lay(w), xs[w.shape[1]]) for w in layers]

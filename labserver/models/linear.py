@@ -31,8 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Dense", "GROUP", "Int4", "ONEDNN_ROWS", "biases", "onednn_packs", "out_in", "q4_1_blocks", "rows_first",
-           "side_by_side"]
+__all__ = ["Dense", "GROUP", "Int4", "ONEDNN_ROWS", "biases", "onednn_linear", "onednn_packs", "onednn_weight",
+           "out_in", "q4_1_blocks", "rows_first", "side_by_side"]
 
 GROUP = 32  # weights per Q4_1 block (one scale and one minimum each)
 
@@ -63,13 +63,29 @@ def out_in(module: Any) -> torch.Tensor:
     return w.t() if _conv1d(module) else w
 
 
+def _stacked(modules: Any) -> torch.Tensor:
+    """Their weights ``[out, in]`` one under another: ``[sum of outs, in]``, a new tensor."""
+    return torch.cat([out_in(m) for m in modules], 0)
+
+
+def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 ``[out, in]`` weight reordered once into oneDNN's layout for ``ONEDNN_ROWS`` rows."""
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS)
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x W^T (+ bias)`` with W as ``onednn_weight`` laid it out."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def side_by_side(*modules: Any) -> torch.Tensor:
     """These modules' weights (one input; ``nn.Linear`` or ``Conv1D``) side by side in one contiguous tensor, of
     which each module's weight becomes a view: float32 ``[in, sum of outs]`` (``x @ packed``); float16 and bfloat16
     ``[sum of outs, in]`` (``F.linear(x, packed)``). One matmul computes all of them, and each module still
     computes its own part from a block of ``packed``. Nothing is held twice."""
     with torch.no_grad():
-        stacked = torch.cat([out_in(m) for m in modules], 0)
+        stacked = _stacked(modules)
         rows = rows_first(stacked.dtype)
         packed = stacked.contiguous() if rows else stacked.t().contiguous()
         start = 0
@@ -97,7 +113,7 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's linear as one opaque op, for ``torch.compile``: inductor calls it as it is (its lowering of oneDNN's
     own op wants the weight as a constant of the graph, which a weight held by the model is not)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return onednn_linear(x, weight, bias)
 
 
 @_onednn_linear.register_fake
@@ -115,9 +131,8 @@ class Dense:
         first = modules[0].weight
         self.onednn = onednn_packs(first)
         if self.onednn:
-            with torch.no_grad():
-                stacked = torch.cat([out_in(m) for m in modules], 0).contiguous()
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, ONEDNN_ROWS)
+            stacked = _stacked(modules)
+            self.weight = onednn_weight(stacked)
             self.shape = tuple(stacked.shape)  # (oneDNN's tensor has its own strides: only its bytes are ours)
             self.rows = True
         else:
@@ -135,7 +150,7 @@ class Dense:
         if self.onednn:
             if torch.compiler.is_compiling():
                 return _onednn_linear(x, self.weight, self.bias)
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            return onednn_linear(x, self.weight, self.bias)
         if self.rows:
             return F.linear(x, self.weight, self.bias)
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
