@@ -14,6 +14,7 @@ from typing import Any
 
 from ..config import DEFAULT_STRATEGY
 from ..strategies import Limits, strategy_names
+from ..strategies.base import SPECULATIVE
 from ..strategies.queueing import DISCIPLINES
 from ..strategies.scheduling import SCHEDULING
 from ..strategies.steps import PREFILLS
@@ -81,6 +82,20 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
     p.add_argument("--eos-prob", type=float, default=_LIMITS.eos_prob,
                    help="gen-*: a stand-in for a trained model's EOS: each token ends its answer with this "
                         "probability (random weights never choose EOS; default: %(default)s)")
+    spec = p.add_argument_group("speculative decoding (gen-continuous, gen-paged; docs/generation.md)")
+    spec.add_argument("--speculative", choices=list(SPECULATIVE), default=None,
+                      help="guess tokens and verify them in one step: ngram (prompt lookup) or draft (--draft-model) "
+                           "(default: off)")
+    spec.add_argument("--num-speculative-tokens", type=int, default=_LIMITS.num_speculative_tokens,
+                      help="tokens guessed per step, verified with the last one (default: %(default)s)")
+    spec.add_argument("--prompt-lookup-min", type=int, default=_LIMITS.prompt_lookup_min,
+                      help="ngram: the shortest suffix looked up in the context (default: %(default)s)")
+    spec.add_argument("--prompt-lookup-max", type=int, default=_LIMITS.prompt_lookup_max,
+                      help="ngram: the longest, tried first (default: %(default)s)")
+    spec.add_argument("--speculative-disable-batch-size", type=int, default=None,
+                      help="no guesses while more than this many requests run or wait (default: always guess)")
+    spec.add_argument("--draft-model", default=None, metavar="SPEC",
+                      help="draft: the model that guesses (NAME or NAME:DTYPE), with the target's tokenizer")
     over = p.add_argument_group("under overload (docs/overload.md)")
     over.add_argument("--queue", default=_LIMITS.queue, choices=sorted(DISCIPLINES),
                       help="queue discipline within a priority class (default: %(default)s)")
@@ -132,6 +147,12 @@ def limits_from(args: argparse.Namespace) -> Limits:
         max_prefill_tokens=args.max_prefill_tokens,
         max_step_tokens=args.max_step_tokens,
         eos_prob=args.eos_prob,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
+        speculative_disable_batch_size=args.speculative_disable_batch_size,
+        draft_model=args.draft_model,
         queue=args.queue,
         codel_target_ms=args.codel_target_ms,
         codel_interval_ms=args.codel_interval_ms,
@@ -174,13 +195,19 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-stream", action="store_true", help="generate: one JSON answer instead of a token stream")
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="generate: let EOS end an answer early (default: ask for exactly --new-tokens)")
-    p.add_argument("--prompt-tokens", default=None,
-                   help="texts of this many tokens, for any mode or api (encoder texts as well as prompts): N, "
-                        "uniform:LO:HI, geometric:MEAN[:LO:HI], lognormal:MEDIAN:SIGMA[:LO:HI] (e.g. "
-                        "lognormal:20:1.1:1:254: most texts short, a tail up to MiniLM's 256 with its 2 special "
-                        "tokens) or replay:FILE (words of the built-in list, one token each in the bundled vocabulary)")
+    payload = p.add_mutually_exclusive_group()  # what the requests carry: one source, or the default texts
+    payload.add_argument("--prompt-tokens", default=None,
+                         help="texts of this many tokens, for any mode or api (encoder texts as well as prompts): "
+                              "N, uniform:LO:HI, geometric:MEAN[:LO:HI], lognormal:MEDIAN:SIGMA[:LO:HI] (e.g. "
+                              "lognormal:20:1.1:1:254: most texts short, a tail up to MiniLM's 256 with its 2 "
+                              "special tokens) or replay:FILE (words of the built-in list, one token each in the "
+                              "bundled vocabulary)")
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="every prompt starts with the same prefix of this many tokens (then --prompt-tokens own)")
+    payload.add_argument("--questions", default=None, choices=["chat", "grounded"],
+                         help="real prompts for a real model (smollm2): chat, open questions; grounded, texts to "
+                              "rewrite, correct or summarise, whose answers copy the prompt (where prompt-lookup "
+                              "speculation pays)")
     p.add_argument("--tokenizer", default=None,
                    help="a local tokenizer folder: --prompt-tokens counted exactly by it")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="generate: goodput needs TTFT within this")
@@ -193,7 +220,8 @@ def add_load_args(p: argparse.ArgumentParser) -> None:
                         ":tokens=LENGTHS (its own --new-tokens, colons allowed); each flow is then summarised "
                         "under its own targets (--slo-ms, --ttft-slo-ms, --tpot-slo-ms stand in where it sets "
                         "none). E.g. 'interactive:0.2:priority=0:ttft=500:tokens=32,batch:0.8:priority=1'")
-    p.add_argument("--payload-file", help="send the lines of this file (default: seeded 8-24 word sentences)")
+    payload.add_argument("--payload-file",
+                         help="send the lines of this file (default: seeded 8-24 word sentences)")
     p.add_argument("--processes", type=int, default=1, help="load generator processes (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ms", type=float, default=None, help="goodput: answers within this count")
@@ -232,10 +260,16 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
         opts.update(arrival=arrival, rate_per_s=args.rate)
         if args.max_concurrency:  # open loop, at most this many outstanding: later sends wait (and count as late)
             opts.update(max_in_flight=args.max_concurrency, overflow="wait")
+    if args.questions and args.shared_prefix:  # the parser already refuses --questions with the other sources
+        raise ValueError("--shared-prefix builds token prompts; leave it out with --questions")
     if args.payload_file:
         from ..load.payloads import FileLines
 
         opts["payload"] = FileLines(args.payload_file)
+    elif args.questions:
+        from ..load.prompts import GroundedTasks, Questions
+
+        opts["payload"] = GroundedTasks() if args.questions == "grounded" else Questions()
     elif args.prompt_tokens or args.shared_prefix:
         from ..load.prompts import TokenPrompts
 

@@ -173,6 +173,23 @@ class BlockManager:
             table.append(self._take())
         return True
 
+    def shrink(self, owner: int, positions: int) -> None:
+        """Give back ``owner``'s blocks past its first ``positions`` positions (guesses a verification rejected:
+        ``labserver.engine.speculation``), as ``release`` gives back a whole table."""
+        table = self.tables[owner]
+        while len(table) > self.blocks_for(positions):
+            self._drop(table.pop())
+
+    def _drop(self, block: int) -> None:
+        """One reference to ``block`` fewer; unreferenced, it is cached (registered) or free."""
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self._forked.discard(block)
+            if block in self._key_of:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
+
     def _take(self) -> int:
         if self._free:
             block = self._free.pop()
@@ -204,13 +221,7 @@ class BlockManager:
         self._keys.pop(owner, None)
         self._roots.pop(owner, None)
         for block in reversed(table or []):  # tail first: it is evicted before the head
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                self._forked.discard(block)
-                if block in self._key_of:
-                    self._cached[block] = None
-                else:
-                    self._free.append(block)
+            self._drop(block)
 
     def check(self) -> None:
         """Assert the invariants: exact reference counts, one state per block, no block twice in a table."""

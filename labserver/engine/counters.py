@@ -29,6 +29,7 @@ class Metric:
     kind: str  # "counter" | "gauge" | "sizes" (a histogram over sizes)
     value: Any  # a number, or a dict label -> number (one series per label), or Counter[int] for "sizes"
     label: str | None = None  # the label's name when value is a dict
+    peer: str | None = None  # /metrics also exports it under this name: a peer server's (vLLM's), where it has one
 
     def shown(self) -> Any:
         """The value as /stats shows it (JSON keys are strings; sizes in order)."""
@@ -39,9 +40,9 @@ class Metric:
         return self.value
 
 
-def count(help: str) -> Any:
-    """A counter field: a number that only grows."""
-    return field(default=0, metadata={"help": help, "kind": "counter"})
+def count(help: str, peer: str | None = None) -> Any:
+    """A counter field: a number that only grows (``peer``: the name vLLM exports the same count under)."""
+    return field(default=0, metadata={"help": help, "kind": "counter", "peer": peer})
 
 
 def tally(help: str, label: str) -> Any:
@@ -61,5 +62,5 @@ def gauge(name: str, help: str, value: Any, label: str | None = None) -> Metric:
 
 def metrics_of(counters: Any) -> list[Metric]:
     """Every field of a counters dataclass made by ``count``, ``tally`` or ``sizes``, as a Metric."""
-    return [Metric(f.name, f.metadata["help"], f.metadata["kind"], getattr(counters, f.name), f.metadata.get("label"))
-            for f in fields(counters) if "help" in f.metadata]
+    return [Metric(f.name, f.metadata["help"], f.metadata["kind"], getattr(counters, f.name), f.metadata.get("label"),
+                   f.metadata.get("peer")) for f in fields(counters) if "help" in f.metadata]

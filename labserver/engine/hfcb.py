@@ -271,6 +271,9 @@ class HFEngine(GenEngine):
 
     def __init__(self, strategy: GenStrategy, model: PagedLM | TransformersOnly, **kwargs: Any) -> None:
         _check_transformers()  # at startup: a manager that cannot be built would fail the worker later
+        if strategy.limits.speculative:
+            raise ModelLoadError(f"{strategy.name} runs transformers' own manager, which verifies no guesses: "
+                                 "speculative decoding runs on labserver's step engine (gen-continuous, gen-paged)")
         super().__init__(strategy, model, GenCounters(), **kwargs)
         self._kv_tokens = kv_budget_tokens(self.limits, model)  # (ModelLoadError at startup: kv_memory_mb unknowable)
         self.in_flight: list[Seq] = []  # handed over and not yet answered: the running ones

@@ -25,62 +25,21 @@ knows torch or HTTP; the same scheduler runs on a virtual clock.
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..models import Chunk, Logprob, Scored
+from ..models import Chunk, Logprob, Scored, Verified
 from ..strategies import Admission, GenStrategy
 from ..strategies.generate import Call
 from .blocks import BlockManager
-from .counters import count, sizes
-from .genbase import GenCounters
 from .sequence import Seq, Status
+from .steprecord import StepCounters, StepRecord
 
 __all__ = ["ModelCall", "RunningSeqs", "Scheduler", "StepCounters", "StepRecord"]
 
 Work = list[tuple[Seq, int]]  # a model call: each sequence and how many of its pending tokens it computes
-
-
-@dataclass
-class StepRecord:
-    step: int
-    start_s: float  # clock, s
-    end_s: float
-    seqs: tuple[int, ...]  # sequence ids in the model call
-    idle: tuple[int, ...] = ()  # among seqs: already finished, computed anyway (request-level batching's waste)
-    kv_tokens: int = 0  # tokens cached by running sequences after the call
-    kv_reserved: int = 0  # prompt + max_new_tokens of every running sequence
-    tokens: int = 0  # tokens computed in the call (prompt pieces + one per decode)
-    prefilling: tuple[int, ...] = ()  # among seqs: those whose prompt (or a piece, or a recompute) was computed
-    #   and that are not finished (one answered by its first token is in neither this nor decoding)
-    preempted: tuple[int, ...] = ()  # sequences preempted to make room for this call (requeued, recomputed later)
-    blocks_used: int = 0  # KV blocks after the call: in a running sequence's table
-    blocks_cached: int = 0  # in none, kept for the prefix cache
-    blocks_free: int = 0
-    decoding: tuple[int, ...] = ()  # among seqs: those that computed one token of their answer (idle ones too);
-    #   the others computed prompt tokens. None: a prefill call; all of seqs: a decode step; else a mixed one
-    calls: int = 1  # model calls it took: more when the call raised and was bisected to find whom the failure is
-    #   for (each half run as a call of its own)
-    failed: tuple[int, ...] = ()  # among seqs: those the model failed on (each answered with its error)
-
-
-@dataclass
-class StepCounters(GenCounters):
-    prefill_calls: int = count("Prefill model calls (more than prefills when a failed one was split and retried)")
-    bisections: int = count("Model calls that raised and were split in halves, each retried as a call of its own, "
-                            "until the failure fell on its own sequences")
-    decode_steps: int = count("Model calls that decoded (decode or mixed steps)")
-    idle_tokens: int = count("Tokens computed for sequences already finished (static batching's padding)")
-    step_size_histogram: Counter[int] = sizes("Sequences per decode step")
-    preemptions: int = count("Sequences preempted for KV blocks (freed, requeued, recomputed)")
-    preempted_for_priority: int = count("Sequences preempted at admission for a higher priority class (recomputed)")
-    recomputed_tokens: int = count("Tokens prefilled again after a preemption")
-    prompt_tokens: int = count("Prompt tokens of admitted sequences (first admission)")
-    cached_tokens: int = count("Of those, tokens whose KV the prefix cache held (not computed)")
-    shared_tokens: int = count("Of those, tokens a choice shared with its request's first choice (n > 1; not "
-                               "computed)")
 
 
 @dataclass
@@ -91,6 +50,7 @@ class ModelCall:
     chunks: list[Chunk]  # one per entry of work, for the model
     decoding: frozenset[int]  # sequences computing one token of their answer; the rest compute prompt tokens
     preempted: list[Seq] = field(default_factory=list)  # taken out to make room for it
+    guesses: dict[int, tuple[int, ...]] = field(default_factory=dict)  # decoding sequences' guesses to verify, by id
 
     @property
     def prefills(self) -> bool:
@@ -110,7 +70,9 @@ class ModelCall:
 
     def _part(self, lo: int, hi: int) -> ModelCall:
         work = self.work[lo:hi]
-        return ModelCall(work, self.chunks[lo:hi], self.decoding & {s.sid for s, _ in work})
+        ids = {s.sid for s, _ in work}
+        return ModelCall(work, self.chunks[lo:hi], self.decoding & ids,
+                         guesses={sid: g for sid, g in self.guesses.items() if sid in ids})
 
 
 class RunningSeqs:
@@ -297,6 +259,34 @@ class Scheduler:
         return Chunk(seq.sid, tokens, start, tuple(self.blocks.tables[seq.sid]), sample=start + n == seq.kv_tokens,
                      sampling=seq.sampling, prompt_len=len(prompt), score=score, decode=seq.decoding)
 
+    def guessing(self, call: ModelCall, k: int, max_context: int) -> list[tuple[Seq, int]]:
+        """The call's decoding sequences that may take guesses, with at most how many each: k, fewer near its
+        ``max_new_tokens`` (a verification makes up to guesses + 1 tokens) or the model's context."""
+        out = []
+        for seq, n in call.work:
+            room = min(k, seq.max_new_tokens - len(seq.tokens) - 1, max_context - seq.kv_tokens)
+            if seq.sid in call.decoding and n == 1 and not seq.finished and room > 0:
+                out.append((seq, room))
+        return out
+
+    def with_guesses(self, call: ModelCall, guesses: dict[int, Sequence[int]]) -> ModelCall:
+        """The call with each sequence's guesses after its last token (``Chunk.draft``), blocks taken for them; a
+        guess that finds no free block is cut to what its blocks hold (a guess never preempts anyone)."""
+        work, chunks, kept = [], [], {}
+        for (seq, n), chunk in zip(call.work, call.chunks, strict=True):
+            guess = tuple(guesses.get(seq.sid, ()))
+            if guess and not self.blocks.grow(seq.sid, seq.computed + 1 + len(guess)):
+                held = len(self.blocks.tables[seq.sid]) * self.blocks.block_tokens
+                guess = guess[:max(0, held - seq.computed - 1)]
+            if guess:
+                kept[seq.sid] = guess
+                n = 1 + len(guess)
+                chunk = replace(chunk, tokens=[*chunk.tokens, *guess], blocks=tuple(self.blocks.tables[seq.sid]),
+                                draft=len(guess))
+            work.append((seq, n))
+            chunks.append(chunk)
+        return ModelCall(work, chunks, call.decoding, call.preempted, kept) if kept else call
+
     # -- the outcome ------------------------------------------------------------------------
     def apply(self, plan: ModelCall, outs: Sequence[Any], start_s: float, end_s: float, calls: int = 1) -> None:
         """What follows from a call's outputs (a token, None for a prompt piece, or an exception per entry);
@@ -304,6 +294,7 @@ class Scheduler:
         c = self.counters
         decoding = plan.decoding  # (the rest computed prompt tokens)
         idle, failed = [], []
+        guessed = accepted = 0
         for (seq, n), out in zip(plan.work, outs, strict=True):
             logprob = None
             if isinstance(out, Scored):
@@ -317,6 +308,14 @@ class Scheduler:
                 continue
             if seq.finished:  # held by gen-static: computed again in place, thrown away
                 idle.append(seq.sid)
+                continue
+            if isinstance(out, Verified):  # a decode step that verified guesses: 1 to guesses + 1 tokens
+                made, kept = self._verified(seq, plan.guesses.get(seq.sid, ()), out, end_s)
+                guessed, accepted = guessed + len(plan.guesses.get(seq.sid, ())), accepted + kept
+                seq.steps += 1
+                seq.step_batch_sum += len(plan.work)
+                seq.status = Status.FINISHED if seq.finished else Status.DECODING
+                self.strategy.scheduling.served(seq, 0, made)
                 continue
             if not seq.tokens and seq.computed + n == seq.kv_tokens:
                 c.requests_prefilled += 1
@@ -345,8 +344,34 @@ class Scheduler:
                                      sum(n for _, n in plan.work), prefilling,
                                      tuple(s.sid for s in plan.preempted), b.used, b.cached, b.free,
                                      tuple(s.sid for s, _ in plan.work if s.sid in decoding), calls,
-                                     tuple(s.sid for s in failed)))
+                                     tuple(s.sid for s in failed), guessed, accepted, tuple(plan.guesses)))
         self._retire()
+
+    def _verified(self, seq: Seq, guess: Sequence[int], out: Verified, now: float) -> tuple[int, int]:
+        """The tokens a verification makes: the guesses the model's choices confirm, then its first choice that
+        differs (or its choice after the last guess), each emitted in turn until the sequence finishes. Only the
+        positions up to the last guess kept hold valid KV: ``computed`` stops there, and the blocks taken for the
+        rest go back. (tokens made, guesses kept)"""
+        c = self.counters
+        kept = 0
+        while kept < len(guess) and kept + 1 < len(out.tokens) and out.tokens[kept] == guess[kept]:
+            kept += 1
+        c.spec_drafts += 1
+        c.spec_proposed_tokens += len(guess)
+        c.spec_accepted_tokens += kept
+        c.spec_accepted_histogram[kept] += 1
+        start, made = seq.computed, 0
+        for i, token in enumerate(out.tokens[:kept + 1]):
+            self.emit(seq, token, now, out.logprobs[i] if out.logprobs else None)
+            made += 1
+            c.tokens_generated += 1
+            if seq.finished:
+                break
+        seq.computed = start + min(made, kept) + 1  # its last token and the guesses kept (and emitted)
+        self.blocks.computed(seq.sid, seq.context, seq.computed)
+        if not seq.finished:
+            self.blocks.shrink(seq.sid, seq.kv_tokens)
+        return made, kept
 
     def _retire(self) -> None:
         done = self.strategy.leaving(self.running)

@@ -27,12 +27,13 @@ knows HTTP or torch; the same loop runs on a virtual clock
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ..models import GenModel, InputRejected, ModelError, ModelLoadError, Sampling
+from ..models import GenModel, InputRejected, ModelError, ModelLoadError, Sampling, load_model
 from ..strategies import GenStrategy
 from .blocks import BlockManager
 from .counters import Metric, gauge
@@ -40,6 +41,7 @@ from .genbase import GenEngine, kv_budget_tokens
 from .modelthread import WorkerDied
 from .scheduler import ModelCall, RunningSeqs, Scheduler, StepCounters, StepRecord
 from .sequence import Seq
+from .speculation import DraftModel, Guess, Speculator, same_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,25 @@ class StepEngine(GenEngine):
         self.scheduler = Scheduler(strategy, self.queue, self.blocks, self.counters, clock, self.live, self.emit,
                                    history)
         self.in_flight = self.scheduler.running.seqs  # (the same list) what drain waits for and a dying worker fails
+        self.spec = Speculator(limits) if limits.speculative else None  # (a draft model joins it in ``ready``)
+
+    async def ready(self) -> None:
+        """With ``--speculative draft``: the draft model loaded (off the loop) and given its own KV pool, the same
+        size as the target's; one that cannot be loaded, or names tokens otherwise, fails the start."""
+        if self.spec is None or self.spec.method != "draft" or self.spec.draft is not None:
+            return
+        spec = self.limits.draft_model or ""
+        name, _, dtype = spec.rpartition(":")
+        if dtype not in ("auto", "float32", "float16", "bfloat16"):  # (a spec with a colon of its own: no dtype)
+            name, dtype = spec, "auto"
+        device = str(getattr(getattr(self.model, "kv", None), "device", "cpu"))
+        draft = await asyncio.to_thread(load_model, name, device=device, kind="generate", dtype=dtype)
+        if not getattr(draft, "paged", False):
+            raise ModelLoadError(f"the draft model {self.limits.draft_model} has no forward pass here")
+        if not same_tokenizer(self.model, draft):
+            raise ModelLoadError(f"the draft model {self.limits.draft_model} names tokens otherwise than "
+                                 f"{self.model.name}: a draft needs the same tokenizer")
+        self.spec.draft = await self.call(DraftModel, draft, self.blocks.total, self.blocks.block_tokens)
 
     @property
     def running(self) -> RunningSeqs:
@@ -94,11 +115,41 @@ class StepEngine(GenEngine):
             if call is None:
                 await self.scheduler.admit()  # a step boundary: who joins (waits while nothing runs)
                 continue
+            if self.spec is not None and call.decoding:
+                call = await self._guess(call)  # speculation: guesses to verify in this call
             start = self.clock()
             outs, calls = await self._run(call)
             if call.prefills:
                 self.counters.prefill_calls += calls
-            self.scheduler.apply(call, outs, start, self.clock(), calls)
+            end = self.clock()
+            self.scheduler.apply(call, outs, start, end, calls)
+            if call.guesses:
+                self.counters.spec_verify_ms += 1000 * (end - start)
+                self.spec.kept_by(s for s, _ in call.work if s.sid in call.guesses)  # type: ignore[union-attr]
+
+    async def _guess(self, call: ModelCall) -> ModelCall:
+        """The call with the proposer's guesses for its decoding sequences (``labserver.engine.speculation``), when
+        the rule speculates at this load; a proposer that fails costs this step its guesses, nothing else."""
+        spec = self.spec
+        assert spec is not None
+        if not spec.active(len(self.running), len(self.queue)):
+            return call
+        asks = [Guess(seq.sid, seq.context, room)
+                for seq, room in self.scheduler.guessing(call, spec.k, self.model.max_context)]
+        if not asks:
+            return call
+        t = self.clock()
+        try:
+            guesses = await self.call(spec.propose, asks)
+        except WorkerDied:
+            raise
+        except Exception as e:
+            logger.warning("the %s proposer failed (%s: %s); this step verifies no guesses", spec.method,
+                           type(e).__name__, e)
+            return call
+        finally:
+            self.counters.spec_draft_ms += 1000 * (self.clock() - t)
+        return self.scheduler.with_guesses(call, guesses)
 
     async def _run(self, call: ModelCall) -> tuple[list[Any], int]:
         """The call's outputs, one per sequence, and the model calls they took.
@@ -141,7 +192,13 @@ class StepEngine(GenEngine):
         released = self.scheduler.released
         if released:
             self.scheduler.released = []
-            await self.call(self.model.release, released)
+            await self.call(self._forget, released)
+
+    def _forget(self, sids: list[int]) -> None:
+        """On the model thread: the model (and a draft model) may drop these sequences' KV."""
+        self.model.release(sids)
+        if self.spec is not None:
+            self.spec.forget(sids)
 
     # -- what /stats shows ------------------------------------------------------------------
     def metrics(self) -> list[Metric]:
@@ -162,7 +219,13 @@ class StepEngine(GenEngine):
                 Metric("kv_blocks_evicted", "Cached blocks whose memory was taken for something else", "counter",
                        b.evicted),
                 gauge("prefix_hit_rate", "Share of prompt tokens the prefix cache held (null: no prompt yet)",
-                      round(g.cached_tokens / g.prompt_tokens, 4) if g.prompt_tokens else None)]
+                      round(g.cached_tokens / g.prompt_tokens, 4) if g.prompt_tokens else None),
+                gauge("spec_acceptance_rate", "Speculative decoding: share of proposed tokens kept (null: none "
+                      "proposed)", round(g.spec_accepted_tokens / g.spec_proposed_tokens, 4)
+                      if g.spec_proposed_tokens else None),
+                gauge("spec_mean_accepted_length", "Speculative decoding: tokens a verification made on average, the "
+                      "guesses kept and the model's own (vLLM's mean acceptance length; null: none verified)",
+                      round(1 + g.spec_accepted_tokens / g.spec_drafts, 4) if g.spec_drafts else None)]
 
     def step_log(self, last: int | None = None) -> list[dict[str, Any]]:
         steps = list(self.steps)[-last:] if last else list(self.steps)

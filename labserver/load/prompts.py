@@ -20,6 +20,9 @@ answer as it sees fit, from one-word facts to short essays, so its answer length
 own (what the EOS stand-in of the random-weight models only imitates). ``QUESTION_KINDS``
 groups them by the answer each kind calls for (facts, lists, explanations, writing,
 advice); a ``Mix`` of one ``Flow`` per kind labels each answer with its kind.
+``GroundedTasks`` (``labserver.load.grounded``, importable from here too) are their
+counterpart: texts to rewrite, correct, summarise or quote, whose answers copy the
+prompt: where speculation by prompt lookup pays, as on these questions it cannot.
 
 A payload source like ``WordTexts``: ``take(n, rng)`` gives n texts; it sends nothing.
 """
@@ -33,9 +36,10 @@ from typing import Any
 import numpy as np
 
 from .arrivals import WORDS, WordTexts
+from .grounded import GroundedTasks
 from .lengths import Lengths, LengthsLike, make_lengths
 
-__all__ = ["QUESTIONS", "QUESTION_KINDS", "Questions", "TokenPrompts"]
+__all__ = ["QUESTIONS", "QUESTION_KINDS", "GroundedTasks", "Questions", "TokenPrompts"]
 
 QUESTION_KINDS: dict[str, tuple[str, ...]] = {  # what people ask a small chat model, by the answer it calls for
     "facts": (

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import (GREEDY, MEANINGLESS, POISON, Chunk, GenModel, InputRejected, Logprob, Model, ModelError,
-                   ModelLoadError, OutOfMemory, Sampling, Scored, keep_freed_memory, minilm_dir, on_fresh_thread,
-                   pick_device, pick_dtype, release_openmp_threads)
+                   ModelLoadError, OutOfMemory, Sampling, Scored, Verified, keep_freed_memory, minilm_dir,
+                   on_fresh_thread, pick_device, pick_dtype, release_openmp_threads)
 from .synthetic import (
     Echo,
     Synthetic,
@@ -43,7 +43,7 @@ from .synthetic import (
 
 __all__ = ["DEFAULT_MODELS", "GREEDY", "MEANINGLESS", "MODELS", "POISON", "Chunk", "Echo", "GenModel",
            "InputRejected", "Logprob", "Model", "ModelError", "ModelLoadError", "ModelSpec", "OutOfMemory", "Sampling",
-           "Scored", "Synthetic",
+           "Scored", "Synthetic", "Verified",
            "SyntheticGen", "find_spec", "keep_freed_memory", "kind_of", "load_model", "minilm_dir", "model_names",
            "on_fresh_thread", "parse_synthetic", "parse_synthetic_gen", "pick_device", "pick_dtype", "register_model",
            "release_openmp_threads"]

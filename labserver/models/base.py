@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 __all__ = ["GREEDY", "MAX_LOGPROBS", "MEANINGLESS", "POISON", "Chunk", "GenModel", "InputRejected", "Logprob",
-           "Model", "ModelError", "ModelLoadError", "OutOfMemory", "Sampling", "Samplings", "Scored", "generate_alone",
-           "device_label", "keep_freed_memory", "minilm_dir", "on_fresh_thread", "pick_device", "pick_dtype",
+           "Model", "ModelError", "ModelLoadError", "OutOfMemory", "Sampling", "Samplings", "Scored", "Verified",
+           "generate_alone", "device_label", "keep_freed_memory", "minilm_dir", "on_fresh_thread", "pick_device", "pick_dtype",
            "position_seed", "token_of"]
 
 T = TypeVar("T")
@@ -134,6 +134,19 @@ class Scored:
     prompt: tuple[Logprob, ...] = ()  # one per token of the chunk's ``score``, in order
 
 
+@dataclass(frozen=True)
+class Verified:
+    """A verifying chunk's output (``Chunk.draft``): the token chosen after each of its last draft + 1 positions.
+
+    Each is chosen exactly as a decode step would choose it at that position (greedy, or drawn
+    with the position's seed), so the engine keeps the guesses these choices confirm, the first
+    choice that differs from its guess, and nothing after it.
+    """
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[Logprob | None, ...] = ()  # one per token when the chunk's sampling asks (else empty)
+
+
 def position_seed(seed: int, position: int) -> int:
     """A generator seed for the token at ``position`` (tokens before it) of a sequence seeded with ``seed``."""
     return (seed * 1_000_003 + position * 7_919) % (2**63 - 1)
@@ -158,6 +171,8 @@ class Chunk:
     prompt_len: int = 0  # how many of the sequence's tokens are its prompt (what follows was generated)
     score: Sequence[int] = ()  # prompt tokens to score (echo): the token after each position from start, in order
     decode: bool = False  # one token of a sequence that is decoding: the model holds its cache from earlier calls
+    draft: int = 0  # the last ``draft`` tokens are guesses to verify (speculative decoding): the model chooses after
+    #   each of the last draft + 1 tokens, as it would one at a time, and returns them as a ``Verified``
 
     @property
     def end(self) -> int:

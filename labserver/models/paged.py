@@ -10,7 +10,9 @@ and everything else is here, the same for every family:
   per position are the model's (layers x 2 x KV heads x head size x dtype size);
 - the steps: a call is a list of ``Chunk`` flattened into one row of tokens; the scores
   of the last token of each chunk that samples become its next token
-  (``labserver.models.sampling.choose``); where a chunk's sampling asks, the chosen
+  (``labserver.models.sampling.choose``), and a verifying chunk's (``Chunk.draft``: its last
+  tokens are guesses) give a token after each of its last draft + 1 positions, chosen as
+  one decode step at a time would choose them: a ``Verified``; where a chunk's sampling asks, the chosen
   token's log-probability and the most likely alternatives come with it, and a chunk's
   ``score`` tokens (a prompt's, for echo) are scored from the rows before them
   (``labserver.models.sampling.logprobs_of``): a ``Scored`` output.
@@ -30,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .base import Chunk, InputRejected, ModelError, Scored
+from .base import Chunk, InputRejected, ModelError, Scored, Verified
 from .configs import kv_bytes_per_token
 from .kvcache import CallPlan, PagedKV
 from .linear import Dense
@@ -223,14 +225,16 @@ class PagedLM(TokenizerText):
         return self._logits(self._hidden(chunks)[0])
 
     def _hidden(self, chunks: list[Chunk]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Compute the chunks: the final hidden state of each sampling chunk's last token [chunks that sample,
-        width], and for each chunk with tokens to ``score`` the states of its rows that predict them."""
+        """Compute the chunks: the final hidden state of each sampling chunk's last token (a verifying chunk's last
+        draft + 1) [rows that choose, width], and for each chunk with tokens to ``score`` the states of its rows that
+        predict them."""
         for c in chunks:
             if not c.tokens or c.start < 0 or c.end > self.max_context:
                 raise ModelError(f"sequence {c.sid}: positions {c.start}..{c.end - 1} are not within the model's "
                                  f"{self.max_context} (the context limit)")
-            if len(c.score) > len(c.tokens):
-                raise ModelError(f"sequence {c.sid}: {len(c.score)} tokens to score after {len(c.tokens)} positions")
+            if len(c.score) > len(c.tokens) or not 0 <= c.draft < len(c.tokens):
+                raise ModelError(f"sequence {c.sid}: {len(c.score)} tokens to score and {c.draft} guesses to verify "
+                                 f"in {len(c.tokens)} positions")
         if self.graphs is not None and self.graphs.fits(chunks):
             return self.graphs.hidden(chunks), []
         dev = self.kv.device
@@ -240,24 +244,32 @@ class PagedLM(TokenizerText):
         hidden = self._forward(ids, positions, plan)
         starts = [z - len(c.tokens) for c, z in zip(chunks, itertools.accumulate(len(c.tokens) for c in chunks),
                                                      strict=True)]
-        last = torch.tensor([a + len(c.tokens) - 1 for c, a in zip(chunks, starts, strict=True) if c.sample],
-                            dtype=torch.long, device=dev)  # (none, when every chunk is a piece of a prompt)
+        last = torch.tensor([r for c, a in zip(chunks, starts, strict=True) if c.sample  # (none: all prompt pieces)
+                             for r in range(a + len(c.tokens) - 1 - c.draft, a + len(c.tokens))],
+                            dtype=torch.long, device=dev)  # a verifying chunk's last draft + 1 rows, in order
         scored = [hidden[a:a + len(c.score)] for c, a in zip(chunks, starts, strict=True) if c.score]
         return hidden.index_select(0, last), scored
 
     @torch.inference_mode()
-    def _choose(self, chunks: list[Chunk]) -> list[int | Scored | None]:
+    def _choose(self, chunks: list[Chunk]) -> list[int | Scored | Verified | None]:
         start = time.perf_counter()
         last, scored = self._hidden(chunks)
         scores = self._logits(last)
         picked = [c for c in chunks if c.sample]
-        chosen = choose(scores, [c.end for c in picked], [c.sampling for c in picked], self.eos_ids)
+        positions = [p for c in picked for p in range(c.end - c.draft, c.end + 1)]  # (one per row: its seed's)
+        chosen = choose(scores, positions, [c.sampling for c in picked for _ in range(c.draft + 1)], self.eos_ids)
         self._live.update(c.sid for c in chunks)
-        outs: list[int | Scored | None] = []
-        tokens, rows, prompts = iter(chosen), iter(range(len(picked))), iter(scored)
+        outs: list[int | Scored | Verified | None] = []
+        tokens, rows, prompts = iter(chosen), iter(range(len(chosen))), iter(scored)
         for c in chunks:
-            token, row = (next(tokens), next(rows)) if c.sample else (None, None)
             k = c.sampling.logprobs if c.sampling else None
+            if c.draft and c.sample:  # a verification: every row's choice, in order
+                mine = [next(rows) for _ in range(c.draft + 1)]
+                picks = [next(tokens) for _ in mine]
+                logprobs = () if k is None else tuple(logprobs_of(scores[mine[0]:mine[-1] + 1], picks, k))
+                outs.append(Verified(tuple(picks), logprobs))
+                continue
+            token, row = (next(tokens), next(rows)) if c.sample else (None, None)
             if k is None and not c.score:
                 outs.append(token)
                 continue
@@ -269,7 +281,7 @@ class PagedLM(TokenizerText):
             self.costs.add_call(time.perf_counter() - start, len(picked), decode=all(c.decode for c in chunks))
         return outs
 
-    def forward(self, chunks: list[Chunk]) -> list[int | Scored | None]:
+    def forward(self, chunks: list[Chunk]) -> list[int | Scored | Verified | None]:
         for c in chunks:
             if c.decode and c.sid not in self._live:
                 raise ModelError(f"decode of sequence {c.sid}, which has no cache (never prefilled or released)")

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base import POISON, Chunk, InputRejected, ModelError, OutOfMemory, position_seed
+from .base import POISON, Chunk, InputRejected, ModelError, OutOfMemory, Verified, position_seed
 
 __all__ = ["Echo", "Synthetic", "SyntheticGen", "parse_synthetic", "parse_synthetic_gen"]
 
@@ -179,43 +179,50 @@ class SyntheticGen:
                              f"(pool of {self.blocks})")
         return self.pool.setdefault(chunk.blocks[i], [None] * self.block_tokens), position % self.block_tokens
 
-    def _run(self, chunk: Chunk) -> int:
-        """Write the chunk's signatures, each from the one before it (read through the table); return the last."""
+    def _run(self, chunk: Chunk) -> list[int]:
+        """Write the chunk's signatures, each from the one before it (read through the table); return them."""
         signature = 0
         if chunk.start:
             block, offset = self._slot(chunk, chunk.start - 1)
             if block[offset] is None:
                 raise ModelError(f"sequence {chunk.sid}: position {chunk.start - 1} was never computed")
             signature = block[offset]  # type: ignore[assignment]
+        signatures = []
         for p, token in enumerate(chunk.tokens, chunk.start):
             signature = (signature * 1_000_003 + token + 1) % _MOD
             block, offset = self._slot(chunk, p)
             block[offset] = signature
-        return signature
+            signatures.append(signature)
+        return signatures
 
     # -- the call: a decode step costs step_cost_ms, any call with prompt tokens prefill_cost_ms ------------
-    def forward(self, chunks: list[Chunk]) -> list[int | None]:
-        decode = all(c.decode for c in chunks)
-        self.sleep((self.step_cost_ms(len(chunks)) if decode else
+    def forward(self, chunks: list[Chunk]) -> list[int | Verified | None]:
+        decode = all(c.decode for c in chunks)  # (a verification of k guesses costs as k + 1 decoding sequences)
+        self.sleep((self.step_cost_ms(sum(c.draft + 1 for c in chunks)) if decode else
                     self.prefill_cost_ms(sum(len(c.tokens) for c in chunks))) / 1000)
         if not decode and any(POISONED in c.tokens for c in chunks):
             raise ModelError("poisoned prompt")
         for c in chunks:
             if c.decode and c.sid not in self._live:
                 raise ModelError(f"decode of sequence {c.sid}, which has no cache (never prefilled or released)")
-        out: list[int | None] = []
+        out: list[int | Verified | None] = []
         for c in chunks:
-            signature = self._run(c)
-            out.append(self._token(c, signature) if c.sample else None)
+            signatures = self._run(c)
+            if c.draft and c.sample:  # a token after each of the last draft + 1 positions
+                out.append(Verified(tuple(self._token(c, p, sig) for p, sig in
+                                          zip(range(c.end - c.draft, c.end + 1), signatures[-1 - c.draft:]))))
+            else:
+                out.append(self._token(c, c.end, signatures[-1]) if c.sample else None)
         self._live.update(c.sid for c in chunks)
         return out
 
     def release(self, seq_ids: list[int]) -> None:
         self._live.difference_update(seq_ids)
 
-    def _token(self, chunk: Chunk, signature: int) -> int:
-        """Greedy: a word picked by the context's signature; sampled: a word drawn per position (seeded: reproducible)."""
-        position, s = chunk.end, chunk.sampling  # tokens before the one chosen
+    def _token(self, chunk: Chunk, position: int, signature: int) -> int:
+        """The token after ``position`` tokens: greedy, a word picked by the context's signature; sampled, a word
+        drawn per position (seeded: reproducible)."""
+        s = chunk.sampling
         generated = position - chunk.prompt_len + 1  # its number among the generated tokens
         if self.eos_after is not None and generated >= self.eos_after and (s is None or position >= s.eos_from):
             return 0

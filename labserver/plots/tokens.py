@@ -50,6 +50,7 @@ STATES = {
     "decode": ("decode", "#4a6fa5", None),
     "prefill": ("prefill", "#f0a030", None),
     "idle": ("idle: done, still computed", "#f6d2d2", "////"),
+    "verify": ("decode, verifying guesses", "#3a9a6a", None),  # speculative decoding: 1 to k + 1 tokens at once
 }
 IDLE_HATCH_COLOR = "#c0504d"
 PREEMPT_COLOR = "#b22222"  # a cross where a sequence was preempted (its blocks taken back)
@@ -199,17 +200,18 @@ def _slots(steps: pd.DataFrame) -> dict[str, list[tuple[float, float, int]]]:
     """
     starts, ends = steps["start_s"].to_numpy(dtype=float), steps["end_s"].to_numpy(dtype=float)
     column = {name: steps[name].map(_ids) if name in steps.columns else pd.Series([()] * len(steps))
-              for name in ("seqs", "idle", "decoding", "preempted")}
+              for name in ("seqs", "idle", "decoding", "preempted", "verifying")}
     visits: dict[tuple[int, int], list[tuple[int, str]]] = {}  # (sid, stay) -> [(step position, state)], in order
     stay: dict[int, int] = {}
     cuts: list[tuple[int, tuple[int, int]]] = []  # (step position, the stay it ended)
-    for j, (seqs, idle, decoding, preempted) in enumerate(zip(*column.values(), strict=True)):
+    for j, (seqs, idle, decoding, preempted, verifying) in enumerate(zip(*column.values(), strict=True)):
         for sid in preempted:  # taken out just before this call
             if (sid, stay.get(sid, 0)) in visits:
                 cuts.append((j, (sid, stay.get(sid, 0))))
             stay[sid] = stay.get(sid, 0) + 1
         for sid in seqs:
-            state = "idle" if sid in idle else "decode" if sid in decoding else "prefill"
+            state = ("idle" if sid in idle else "verify" if sid in verifying else "decode" if sid in decoding
+                     else "prefill")
             visits.setdefault((sid, stay.get(sid, 0)), []).append((j, state))
     lane_of: dict[tuple[int, int], int] = {}
     free: list[int] = []  # lanes given back, lowest first
@@ -239,7 +241,8 @@ def step_gantt(steps: Records, ax: Axes | None = None, *, max_steps: int | None 
                label: Any = None, rate: float | None = None, legend: bool = True) -> Axes:
     """Every sequence's life in the batch: one lane per slot, a bar over each step it was in.
 
-    Dark bars are decode steps, amber its prefill (or a piece of it, or its recompute),
+    Dark bars are decode steps (green where the step verified its guesses: speculative
+    decoding), amber its prefill (or a piece of it, or its recompute),
     pale hatched ones steps it was computed in although already finished (request-level
     batching keeps it until the batch's longest member is done), grey ones calls it sat
     out while holding its KV cache (others' prefill stalls it); a red cross marks a
@@ -266,6 +269,8 @@ def step_gantt(steps: Records, ax: Axes | None = None, *, max_steps: int | None 
     in_decode = run.loc[decode, "seqs"].map(lambda v: len(_ids(v))).sum()
     idle_share = run.loc[decode, "idle"].map(lambda v: len(_ids(v))).sum() / in_decode if in_decode else 0.0
     for state, (name, color, hatch) in STATES.items():
+        if state == "verify" and not slots[state]:  # (no speculation: no entry in the legend)
+            continue
         x0, x1, y = np.asarray(slots[state], dtype=float).reshape(-1, 3).T
         x0, x1 = (x0 - t0) * scale, (x1 - t0) * scale
         corners = [(x0, y - 0.4), (x0, y + 0.4), (x1, y + 0.4), (x1, y - 0.4)]

@@ -3,7 +3,8 @@
 Counters are read from the runtime when scraped (a custom collector), so the hot
 path pays only for the one latency histogram it observes per request. What the
 engine reports is whatever its ``metrics()`` lists, each under the name ``/stats``
-shows (``labserver_<name>``), so a new counter needs no edit here. Each app has its
+shows (``labserver_<name>``; a counter vLLM also keeps, under vLLM's name as well: ``Metric.peer``), so a
+new counter needs no edit here. Each app has its
 own registry: several servers in one notebook kernel do not collide.
 """
 
@@ -37,10 +38,11 @@ class _RuntimeCollector:
             responses.add_metric([str(status)], n)
         yield responses
         if rt.engine is not None:
-            for metric in rt.engine.metrics():  # each under the name /stats shows it by
-                family = family_of(metric)
-                if family is not None:
-                    yield family
+            for metric in rt.engine.metrics():  # each under the name /stats shows it by (and a peer's, if any)
+                for name in (f"labserver_{metric.name}", metric.peer):
+                    family = family_of(metric, name) if name else None
+                    if family is not None:
+                        yield family
             yield from replica_families(rt.engine.by_replica())
 
 
@@ -69,9 +71,9 @@ def replica_families(by_replica: dict[str, list[Metric]]) -> Iterator[Any]:
         yield family
 
 
-def family_of(m: Metric) -> Any:
-    """One engine metric in Prometheus' types (None: nothing to export yet)."""
-    name = f"labserver_{m.name}"
+def family_of(m: Metric, name: str | None = None) -> Any:
+    """One engine metric in Prometheus' types, as ``labserver_<name>`` or ``name`` (None: nothing to export yet)."""
+    name = name or f"labserver_{m.name}"
     if m.kind == "sizes":
         return _histogram(name, m.help, m.value)
     family_type = CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily

@@ -16,6 +16,8 @@ from .queueing import DOORS, make_discipline, make_door
 from ..registry import registrar
 from .steps import PREFILLS
 
+SPECULATIVE = ("ngram", "draft")  # the proposers speculative decoding has (labserver.engine.speculation)
+
 __all__ = ["STRATEGIES", "Admission", "Batch", "Clock", "Limits", "Queue", "Strategy", "describe", "make_strategy",
            "register", "strategy_names"]
 
@@ -72,6 +74,14 @@ class Limits:
     max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps under prefill="budget"
     max_step_tokens: int = 256  # tokens one step computes under prefill="chunked": a decode's 1 each, then prompts
     eos_prob: float = 0.0  # a stand-in for a trained model's EOS: each token ends its answer with this probability
+    # speculative decoding (gen-continuous, gen-paged: labserver.engine.speculation)
+    speculative: str | None = None  # None: off; "ngram": prompt lookup; "draft": a draft model's guesses
+    num_speculative_tokens: int = 4  # k: tokens guessed, then verified in one step with the last one (k + 1)
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix of the context looked up earlier in it
+    prompt_lookup_max: int = 4  # ngram: the longest (tried first)
+    speculative_disable_batch_size: int | None = None  # no guesses while more than this many requests run or
+    #   wait (vLLM's disable_by_batch_size); None: always
+    draft_model: str | None = None  # draft: the model that guesses, NAME or NAME:DTYPE, with the target's tokenizer
     # under overload (labserver.strategies.queueing, .scheduling): who goes first, who is refused
     queue: str = "fifo"  # queue discipline within a priority class: fifo, lifo, adaptive-lifo, codel
     codel_target_ms: float = 5.0  # codel: while a queue stands, shed whoever waited longer than this
@@ -97,6 +107,15 @@ class Limits:
             ("max_prefill_tokens", self.max_prefill_tokens >= 1, ">= 1"),
             ("max_step_tokens", self.max_step_tokens >= 1, ">= 1"),
             ("eos_prob", 0 <= self.eos_prob < 1, "in [0, 1)"),
+            ("speculative", self.speculative in (None, *SPECULATIVE), " or ".join(map(repr, (None, *SPECULATIVE)))),
+            ("num_speculative_tokens", self.num_speculative_tokens >= 1, ">= 1"),
+            ("prompt_lookup_min", self.prompt_lookup_min >= 1, ">= 1"),
+            ("prompt_lookup_max", self.prompt_lookup_max >= self.prompt_lookup_min,
+             f">= prompt_lookup_min ({self.prompt_lookup_min})"),
+            ("speculative_disable_batch_size", self.speculative_disable_batch_size is None
+             or self.speculative_disable_batch_size >= 0, ">= 0 or None"),
+            ("draft_model", self.speculative != "draft" or bool(self.draft_model),
+             "a model spec with speculative='draft' (the model that guesses)"),
             ("codel_target_ms", self.codel_target_ms > 0, "> 0"),
             ("codel_interval_ms", self.codel_interval_ms > 0, "> 0"),
             ("admit", self.admit in DOORS, " or ".join(map(repr, DOORS))),
