@@ -259,8 +259,9 @@ def test_a_seeded_request_draws_the_same_tokens_with_and_without_guesses() -> No
 
 def test_smollm2_with_prompt_lookup_answers_as_transformers_and_counts_its_guesses() -> None:
     """Three input-grounded chat prompts x 48 greedy tokens, all at once, through a server with ``--speculative
-    ngram``: transformers' argmax at every position (or a near-tie where they first part); the guesses counted in
-    ``/stats`` and, under vLLM's names too, in ``/metrics``."""
+    ngram``: transformers' argmax at every position (or a near-tie where they first part), the same tokens with
+    preemption, the prefix cache and chunked prefill on; the guesses counted in ``/stats`` and, under vLLM's names
+    too, in ``/metrics``."""
     import httpx
     import numpy as np
 
@@ -269,18 +270,30 @@ def test_smollm2_with_prompt_lookup_answers_as_transformers_and_counts_its_guess
 
     from .test_realmodel import NEAR_TIE, chat_text, first_divergence
 
+    from concurrent.futures import ThreadPoolExecutor
+
     model = load_model("smollm2", device="cpu")
     texts = [chat_text(model, p) for p in GroundedTasks().take(3, np.random.default_rng(1))]
-    with labserver.serve("gen-continuous", model, speculative="ngram", max_batch_size=4) as h:
-        from concurrent.futures import ThreadPoolExecutor
 
+    def answer(h: Any, text: str) -> list[int]:
+        r = httpx.post(h.url + "/generate", timeout=300, json={"prompt": text, "max_new_tokens": 48,
+                                                                "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]  # type: ignore[no-any-return]
+
+    with labserver.serve("gen-continuous", model, speculative="ngram", max_batch_size=4) as h:
         with ThreadPoolExecutor(3) as pool:
-            answers = list(pool.map(lambda t: httpx.post(h.url + "/generate", timeout=300, json={
-                "prompt": t, "max_new_tokens": 48, "ignore_eos": True}).json()["tokens"], texts))
+            answers = list(pool.map(lambda t: answer(h, t), texts))
         stats, metrics = h.stats(), httpx.get(h.url + "/metrics").text
+    room = sum(-(-len(model.encode(t)) // 16) + 1 for t in texts) * 16  # every prompt and a block: growth preempts
+    tight, memory, _ = run(model, [*texts, texts[0]], [48] * 4, "gen-paged", speculative="ngram", max_batch_size=4,
+                           prefix_cache=True, prefill="chunked", max_step_tokens=64, max_kv_tokens=room)
+    assert tokens(tight) == [*answers, answers[0]]  # (the fourth: the first's prompt again, its blocks cached)
+    assert memory["preemptions"] > 0 and memory["cached_tokens"] > 0 and memory["spec_accepted_tokens"] > 0, \
+        {k: memory[k] for k in ("preemptions", "cached_tokens", "spec_accepted_tokens", "kv_blocks_total")}
     parted = 0
-    for text, tokens in zip(texts, answers, strict=True):
-        at, gap = first_divergence(model.hf_model, model.encode(text), tokens)
+    for text, made in zip(texts, answers, strict=True):
+        at, gap = first_divergence(model.hf_model, model.encode(text), made)
         assert at is None or gap <= NEAR_TIE, f"token {at} differs from transformers' by {gap:.2e} in score"
         parted += at is not None
     assert parted <= 1
@@ -333,3 +346,23 @@ def test_what_speculation_refuses_says_why() -> None:
     with pytest.raises(ModelLoadError, match="verifies no guesses"):
         with labserver.serve("gen-hf-cb", "gpt2-tiny-random", speculative="ngram"):
             pass
+
+
+# -- the virtual clock: speculation's price, and Leviathan's formula -------------------------------------------------
+
+@pytest.mark.parametrize("right", [0.5, 0.8])
+def test_the_virtual_clock_prices_verification_and_follows_the_formula(right: float) -> None:
+    """One request of 600 tokens on the virtual clock, a draft right with probability ``right`` at a tenth of the
+    target's step: tokens a verification made, and the time saved, as Leviathan et al.'s formula says (within
+    sampling error: ~200 verifications)."""
+    from labserver.analysis.theory import speculative_speedup, speculative_tokens
+    from labserver.engine.gensim import simulate_gen
+
+    plain = simulate_gen(make_strategy("gen-continuous", Limits()), [(0.0, 16, 600)], prefill_ms=10, step_ms=10)
+    spec = simulate_gen(make_strategy("gen-continuous", Limits(speculative="draft", draft_model="synthetic")),
+                        [(0.0, 16, 600)], prefill_ms=10, step_ms=10, draft=SyntheticGen(1, 1, right=right))
+    assert plain.seqs[0].tokens == spec.seqs[0].tokens  # (a synthetic target: the same words either way)
+    made = spec.stats["spec_mean_accepted_length"]
+    assert made == pytest.approx(float(speculative_tokens(right, 4)), rel=0.08)
+    took = [run.seqs[0].finished_s - run.seqs[0].first_token_s for run in (plain, spec)]
+    assert took[0] / took[1] == pytest.approx(float(speculative_speedup(right, 4, draft_cost=0.1)), rel=0.08)

@@ -17,6 +17,7 @@ from typing import Any
 from ..models.synthetic import SyntheticGen
 from ..strategies import Strategy
 from .sequence import Request, Seq
+from .speculation import DraftModel
 from .step import StepEngine
 from .virtual import VirtualFuture, VirtualQueue, drive
 
@@ -77,7 +78,7 @@ class GenSimRun:
 
 def simulate_gen(strategy: Strategy, requests: Iterable[tuple[float, ...]], *, prefill_ms: float = 20.0,
                  step_ms: float = 10.0, per_token_ms: float = 0.0, per_seq_ms: float = 0.0,
-                 kv_bytes_per_token: int = 0) -> GenSimRun:
+                 kv_bytes_per_token: int = 0, draft: SyntheticGen | None = None) -> GenSimRun:
     """Every step a generation strategy would run for these requests, on one worker.
 
     ``requests`` are (arrival_s, prompt_tokens, max_new_tokens), optionally with a fourth,
@@ -87,11 +88,21 @@ def simulate_gen(strategy: Strategy, requests: Iterable[tuple[float, ...]], *, p
     ``Limits.kv_memory_mb`` size the pool. It is the engine's own step loop (``StepEngine.step_loop``)
     and scheduler with the strategy's own rules (admission, composition, preemption, who
     leaves), KV blocks and ``Limits`` (``eos_prob`` included), run until every request is answered.
+
+    ``draft`` (with ``Limits(speculative="draft", draft_model=...)``, the name only said): a synthetic
+    draft model whose calls the clock charges too; ``SyntheticGen(..., right=a)`` guesses the
+    target's token with probability a. A verification of k guesses costs the target a decode step of
+    k + 1 sequences (``step_ms + per_seq_ms * (k + 1)``): speculation's price on the virtual clock.
     """
     q = GenVirtualQueue(requests)
     model = SyntheticGen(prefill_ms, step_ms, per_token_ms=per_token_ms, per_seq_ms=per_seq_ms, sleep=q.advance,
                          kv_bytes_per_token=kv_bytes_per_token)
     engine = StepEngine(strategy, model, clock=q.clock, queue=q)  # type: ignore[arg-type]
+    if draft is not None:
+        if engine.spec is None or engine.spec.method != "draft":
+            raise ValueError("a draft needs a strategy with Limits(speculative='draft', draft_model=...)")
+        draft.sleep = q.advance
+        engine.spec.draft = DraftModel(draft, engine.blocks.total, engine.blocks.block_tokens)
     engine.accepting = True
     drive(engine.step_loop())
     return GenSimRun(list(engine.steps), q.seqs, engine.stats())

@@ -126,6 +126,8 @@ class SyntheticGen:
     per_seq_ms: float = 0.0  # decode: extra per sequence in the step
     eos_after: int | None = None  # every sequence emits EOS as its N-th token (None: never)
     max_context: int = 4096
+    right: float = 1.0  # greedy: the context's token with this probability, else another (drawn per position and
+    #   context): a draft model whose guesses a synthetic target keeps at an acceptance rate of ``right``
     sleep: Callable[[float], None] = field(default=time.sleep, repr=False)  # a virtual clock swaps this
     name: str = ""
     note: str | None = "synthetic: no model runs; tokens are placeholders"
@@ -227,7 +229,10 @@ class SyntheticGen:
         if self.eos_after is not None and generated >= self.eos_after and (s is None or position >= s.eos_from):
             return 0
         if s is None or s.greedy:
-            return 1 + signature % 50_000
+            token = 1 + signature % 50_000
+            if self.right < 1.0 and random.Random(signature ^ position).random() >= self.right:
+                return 1 + token % 50_000  # (another word: a wrong guess)
+            return token
         draw = random.Random(position_seed(s.seed, position)) if s.seed is not None else random
         return 1 + draw.randrange(50_000)
 
@@ -239,7 +244,7 @@ class SyntheticGen:
 
 _SYNTHETIC_GEN = re.compile(r"^synthetic-gen:(?P<prefill>[0-9.]+)\+(?P<step>[0-9.]+)(?:\?(?P<opts>.*))?$")
 _OPTIONS: dict[str, Callable[[str], Any]] = {"per_token": float, "per_seq": float, "eos_after": int,
-                                             "max_context": int}
+                                             "max_context": int, "right": float}
 
 
 def parse_synthetic_gen(spec: str) -> SyntheticGen:
