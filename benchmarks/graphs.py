@@ -45,6 +45,7 @@ from servedperf import dense_step_ms  # noqa: E402
 from labserver.experiments.roofline import bytes_read, decode_chunks, step_ms  # noqa: E402
 from labserver.experiments.runs import machine_info  # noqa: E402
 from labserver.models import load_model  # noqa: E402
+from labserver.models.folders import random_of_shape  # noqa: E402
 from labserver.models.graphs import use_cuda_graphs  # noqa: E402
 
 
@@ -69,21 +70,6 @@ def read_gb_s(device: str, mb: int) -> float:
 def greedy(gen: Any, b: int, context: int, tokens: int) -> list[list[int]]:
     """``b`` prompts of ``context`` tokens, ``tokens`` greedy tokens each, decoded together."""
     return greedy_answers(gen, [[(11 * i + k) % 900 + 50 for k in range(context)] for i in range(b)], tokens)
-
-
-def random_of_shape(folder: str, into: Path) -> Path:
-    """A model of ``folder``'s config (and tokenizer) with random weights, saved to ``into``."""
-    import transformers as tf
-
-    from labserver.models.configs import RANDOM_KEY
-
-    config = tf.AutoConfig.from_pretrained(folder)
-    setattr(config, RANDOM_KEY, True)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(into)
-    tf.AutoTokenizer.from_pretrained(folder).save_pretrained(into)
-    return into
 
 
 def measure(spec: str, label: str, args: argparse.Namespace, batches: list[int], bandwidth: float) -> dict[str, Any]:

@@ -10,8 +10,8 @@ model), loads it, and returns its output tokens per second with what the engine 
   pace, and the answers' texts (the same prompts to two servers: were the answers equal?);
 - ``closed_loop``: ``users`` closed-loop users for a window (the load generator); the window's
   output tokens per second, the server's throughput at that load;
-- ``verify_cost``: one sequence's step of k + 1 tokens (a verification) over its step of one,
-  timed on the model alone: what a guess costs when it is rejected.
+- ``verify_cost``: a batch's step of k + 1 tokens a sequence (a verification) over its step of
+  one, timed on the model alone: what the guesses cost, paid in full when they are rejected.
 """
 
 from __future__ import annotations
@@ -92,25 +92,28 @@ def closed_loop(gen: Any, prompts: list[str], users: int, max_tokens: int, *, wa
     return {"tps": tps, "users": users, **{k: after[k] - before[k] for k in SPEC_STATS}}
 
 
-def verify_cost(gen: Any, k: int, context: int = 160, repeats: int = 15) -> dict[str, float]:
-    """One sequence at ``context`` tokens: its step of k + 1 tokens (a verification of k guesses) and its step of one,
-    ms each (medians of ``repeats``), and their ratio."""
+def verify_cost(gen: Any, k: int, seqs: int = 1, context: int = 160, repeats: int = 15) -> dict[str, float]:
+    """``seqs`` sequences at ``context`` tokens: their step of k + 1 tokens each (a verification of k guesses) and
+    their step of one each, ms (medians of ``repeats``), and the ratio: what a step's guesses cost at that batch."""
     per = -(-(context + 1) // 16)
-    gen.allocate_kv(per, 16)
-    table, ids = tuple(range(per)), [(7 * i) % 1000 + 10 for i in range(context)]
-    gen.forward([Chunk(1, ids, 0, table)])
+    gen.allocate_kv(per * seqs, 16)
+    tables = [tuple(range(i * per, (i + 1) * per)) for i in range(seqs)]
+    ids = [[(7 * i + 3 * s) % 1000 + 10 for i in range(context)] for s in range(seqs)]
+    gen.forward([Chunk(s + 1, ids[s], 0, tables[s]) for s in range(seqs)])
 
     def ms(n: int) -> float:
+        chunks = [Chunk(s + 1, ids[s][-n:], context - n, tables[s], decode=True, draft=n - 1) for s in range(seqs)]
+        gen.forward(chunks)
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
-            gen.forward([Chunk(1, ids[-n:], context - n, table, decode=True, draft=n - 1)])
+            gen.forward(chunks)  # (the same positions again: their KV rewritten, the cost a step has)
             times.append(time.perf_counter() - t)
         return 1000 * statistics.median(times)
 
     one, many = ms(1), ms(k + 1)
-    gen.release([1])
-    return {"one_ms": one, "verify_ms": many, "ratio": many / one, "k": k}
+    gen.release([s + 1 for s in range(seqs)])
+    return {"one_ms": one, "verify_ms": many, "ratio": many / one, "k": k, "seqs": seqs}
 
 
 def acceptance(m: dict[str, Any]) -> str:

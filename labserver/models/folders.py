@@ -34,7 +34,7 @@ from typing import Any
 from .base import minilm_dir
 from .configs import DTYPE_BYTES, RANDOM_KEY, kv_bytes_per_token
 
-__all__ = ["FAMILIES", "kv_bytes_per_token", "make_tokenizer", "parameter_count", "write_tiny"]
+__all__ = ["FAMILIES", "kv_bytes_per_token", "make_tokenizer", "parameter_count", "random_of_shape", "write_tiny"]
 
 FAMILIES = ("gpt2", "llama", "qwen2", "qwen3", "mistral")
 QWEN3_HEAD_DIM = 16  # Qwen3 names its head size (128 for 0.6B's 1,024 wide, 16 heads: not hidden / heads)
@@ -187,3 +187,18 @@ def parameter_count(folder: str | Path) -> int:
 
     with safe_open(str(Path(folder) / "model.safetensors"), "pt") as f:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (not iterable)
+
+
+def random_of_shape(folder: str | Path, into: str | Path) -> Path:
+    """A model of ``folder``'s config and tokenizer with random weights (seeded), saved to ``into``: a real model's
+    shape where its weights cannot travel (a GPU machine), its answers marked meaningless."""
+    import torch
+    import transformers as tf
+
+    config = tf.AutoConfig.from_pretrained(folder)
+    setattr(config, RANDOM_KEY, True)
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(into)
+    tf.AutoTokenizer.from_pretrained(folder).save_pretrained(into)
+    return Path(into)
+

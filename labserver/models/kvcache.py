@@ -21,6 +21,9 @@ attends over exactly its own positions, read through its table:
   ``scaled_dot_product_attention`` with a mask for each sequence's length. Sorting keeps
   the padding to a few percent of the keys, where one batch padded to the longest live
   sequence (a slot cache) computes up to twice what is needed;
+- a verification (speculative decoding: a decoding sequence's token and its k guesses,
+  ``Chunk.draft``): grouped as decodes are, k + 1 queries each, query i seeing the keys up
+  to its own position;
 - prompt tokens: per chunk, a gather of its positions and one attention call, causal
   within the new tokens (a piece after cached positions also sees all of those).
 
@@ -36,7 +39,8 @@ What this is not: fused or fast; no kernel reads the blocks in place.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +64,8 @@ class CallPlan:
     #   its positions' slots, the keys each query may see (None: all, or plain causal), causal
     alone: tuple[torch.Tensor, int, torch.Tensor] | None = None  # the one decode group's slots, longest and
     #   keys when it is the whole call, its rows in call order (one stream's step, or a few sequences')
+    verifies: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]] = field(default_factory=list)  # per group
+    #   of verifying sequences (q queries each: a token and its guesses): their rows, slots, longest, keys seen
 
 
 class PagedKV:
@@ -108,6 +114,7 @@ class PagedKV:
         dev = self.device
         write: list[int] = []
         decoders: list[tuple[int, list[int]]] = []  # (row in the call, the slots of all its positions)
+        verifiers: list[tuple[int, list[int], int]] = []  # (first row, the slots of all its positions, queries)
         prompts = []
         for c in chunks:
             every = self.table_slots(c)
@@ -115,6 +122,9 @@ class PagedKV:
             write += every[c.start:]
             if n == 1:  # one query: it sees every position
                 decoders.append((a, every))
+                continue
+            if c.decode:  # a decoding sequence's token and its guesses (speculative decoding): grouped as decodes
+                verifiers.append((a, every, n))
                 continue
             # a piece after cached positions: query j sees every key up to its own position start + j
             mask = None if c.start == 0 else (torch.arange(c.end, device=dev)[None, :]
@@ -131,9 +141,32 @@ class PagedKV:
             decodes.append((torch.tensor([row for row, _ in group], device=dev),
                             torch.tensor(padded, device=dev).flatten(), longest, mine))
         alone = None
-        if len(decodes) == 1 and not prompts and [row for row, _ in decoders] == list(range(len(decoders))):
+        if len(decodes) == 1 and not prompts and not verifiers and [row for row, _ in decoders] == list(
+                range(len(decoders))):
             alone = decodes[0][1:]
-        return CallPlan(torch.tensor(write, dtype=torch.long, device=dev), decodes, prompts, alone)
+        return CallPlan(torch.tensor(write, dtype=torch.long, device=dev), decodes, prompts, alone,
+                        self._verify_groups(verifiers))
+
+    def _verify_groups(self, verifiers: list[tuple[int, list[int], int]]) -> list[Any]:
+        """Verifying sequences of q queries each, grouped as decodes are (the same q, sorted by length, up to
+        ``GROUP``): query i of a sequence of length L sees its keys 0..L - q + i, causal within its own q."""
+        dev, groups = self.device, []
+        verifiers.sort(key=lambda v: (v[2], len(v[1])))
+        for i in range(0, len(verifiers)):
+            if i and verifiers[i][2] == verifiers[i - 1][2] and len(groups[-1]) < GROUP:
+                groups[-1].append(verifiers[i])
+            else:
+                groups.append([verifiers[i]])
+        out = []
+        for group in groups:
+            q, longest = group[0][2], len(group[-1][1])
+            padded = [slots + slots[:1] * (longest - len(slots)) for _, slots, _ in group]
+            last = torch.tensor([len(slots) - q for _, slots, _ in group], device=dev)  # each one's first query's
+            sees = torch.arange(longest, device=dev)[None, None, :] <= (last[:, None, None]
+                                                                        + torch.arange(q, device=dev)[None, :, None])
+            rows = torch.tensor([a + j for a, _, _ in group for j in range(q)], device=dev)
+            out.append((rows, torch.tensor(padded, device=dev).flatten(), longest, sees[:, None]))
+        return out
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan) -> torch.Tensor:
         """q [tokens, query heads, head_dim], k and v [tokens, KV heads, head_dim] of the call's new tokens
@@ -146,7 +179,7 @@ class PagedKV:
         if plan.alone is not None:  # one group of decoding sequences, the call's rows in order: no gather of q
             return self._decode(keys, values, q, *plan.alone, gqa)
         out = torch.empty_like(q)
-        for rows, read, longest, mine in plan.decodes:
+        for rows, read, longest, mine in (*plan.decodes, *plan.verifies):
             out[rows] = self._decode(keys, values, q[rows], read, longest, mine, gqa)
         for a, z, read, mask, causal in plan.prompts:
             kk = keys.index_select(0, read).to(wide).transpose(0, 1)
@@ -158,10 +191,12 @@ class PagedKV:
 
     def _decode(self, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, read: torch.Tensor, longest: int,
                 mine: torch.Tensor, gqa: bool) -> torch.Tensor:
-        """One group of n decoding sequences: q [n, query heads, head_dim] over their gathered positions."""
-        n, heads, dim, wide = q.shape[0], self.heads, self.head_dim, self.compute
+        """One group of n decoding sequences, m queries each (one; a verification's 1 + its guesses): q [n x m, query
+        heads, head_dim] over their gathered positions, ``mine`` [n, 1, m, longest] the keys each query sees."""
+        n, m = read.shape[0] // longest, mine.shape[2]
+        heads, dim, wide = self.heads, self.head_dim, self.compute
         kk = keys.index_select(0, read).to(wide).view(n, longest, heads, dim).transpose(1, 2)  # [n, heads, longest,
         vv = values.index_select(0, read).to(wide).view(n, longest, heads, dim).transpose(1, 2)  # dim]
-        o = F.scaled_dot_product_attention(q.unsqueeze(2).to(wide), kk, vv, attn_mask=mine,  # [n, q heads, 1, dim]
-                                           enable_gqa=gqa)
-        return o.squeeze(2).to(q.dtype)
+        qq = q.view(n, m, q.shape[1], dim).transpose(1, 2).to(wide)  # [n, query heads, m, dim]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mine, enable_gqa=gqa)
+        return o.transpose(1, 2).reshape(n * m, q.shape[1], dim).to(q.dtype)
