@@ -177,6 +177,18 @@ def test_prompt_lookup_changes_no_token_on_every_family(family: str, family_mode
     assert model.cached == 0
 
 
+def test_log_probabilities_come_with_every_token_a_verification_makes(family_models: dict[str, Any]) -> None:
+    model = family_models["llama"]
+    asked = Sampling(logprobs=2)
+    plain, _, _ = run(model, REPEATING, [20, 20, 20], sampling=asked, max_batch_size=3)
+    guessed, stats, _ = run(model, REPEATING, [20, 20, 20], sampling=asked, speculative="ngram", max_batch_size=3)
+    assert stats["spec_accepted_tokens"] > 0 and tokens(guessed) == tokens(plain)
+    for a, b in zip(plain, guessed, strict=True):
+        assert [lp.token for lp in b.logprobs] == b.tokens and len(b.logprobs) == 20
+        assert [lp.logprob for lp in b.logprobs] == pytest.approx([lp.logprob for lp in a.logprobs], abs=1e-4)
+        assert [[t for t, _ in lp.top] for lp in b.logprobs] == [[t for t, _ in lp.top] for lp in a.logprobs]
+
+
 # -- sampling: the target's distribution, whatever was guessed ------------------------------------------------------
 
 VOCAB = 3
