@@ -275,13 +275,21 @@ def row(name: str, value: float, goal: str, passed: bool | None, detail: str) ->
 
 
 def write_results(out_path: str, numbers: dict[str, Any], rows: list[dict[str, Any]], footer: str,
-                  width: int = 60) -> None:
+                  width: int = 60, result_last: bool = False) -> None:
     """Print the goal table and write every number as JSON at ``out_path`` with the table beside it (.txt).
 
-    overload.py, routeperf.py and servedperf.py share it: one shape for every results/<name>/cpu.txt.
+    overload.py, routeperf.py and servedperf.py share it: one shape for every results/<name>/cpu.txt
+    (``result_last``: each row ends with its PASS, FAIL or INFO, after the detail).
     """
-    lines = [f"$ python {' '.join(sys.argv)}", "", f"{'target':<{width}}{'value':>8}  {'goal':<9}{'result':<7}detail"]
-    lines += [f"{r['target']:<{width}}{r['value']:>8.3f}  {r['goal']:<9}{r['result']:<7}{r['detail']}" for r in rows]
+    if result_last:
+        lines = [f"$ python {' '.join(sys.argv)}", "", f"{'target':<{width}}{'value':>8}  {'goal':<9}detail; result"]
+        lines += [f"{r['target']:<{width}}{r['value']:>8.3f}  {r['goal']:<9}{r['detail']}; {r['result']}"
+                  for r in rows]
+    else:
+        lines = [f"$ python {' '.join(sys.argv)}", "",
+                 f"{'target':<{width}}{'value':>8}  {'goal':<9}{'result':<7}detail"]
+        lines += [f"{r['target']:<{width}}{r['value']:>8.3f}  {r['goal']:<9}{r['result']:<7}{r['detail']}"
+                  for r in rows]
     lines.append(footer)
     print("\n".join(lines[2:]))
     save_json(out_path, numbers).with_suffix(".txt").write_text("\n".join(lines) + "\n")

@@ -126,7 +126,7 @@ def main() -> int:
     draft = numbers["1 stream, draft"]
     d = draft[-1]["draft"]
     same, of = same_answers(draft, "draft")
-    rows.append(ratio_row(f"draft {args.draft}, input-grounded, 1 stream: draft / plain output tokens/s per stream",
+    rows.append(ratio_row(f"draft, input-grounded, 1 stream: {args.draft} draft / plain output tokens/s per stream",
                           draft, "draft", None, f"; drafting {d['spec_draft_ms'] / max(d['spec_drafts'], 1):.1f} ms "
                           f"and verifying {d['spec_verify_ms'] / max(d['spec_drafts'], 1):.1f} ms a verification; "
                           f"answers equal to plain's: {same} of {of}"))
@@ -136,7 +136,7 @@ def main() -> int:
                           "tokens/s", sat, "rule", GOALS["rule"]))
     rows.append(ratio_row(f"ngram, input-grounded, {n} streams: always on / plain output tokens/s", sat, "ngram", None))
     v = numbers["verify"]
-    rows.append(row("verify step: one sequence's 5 tokens / its 1 token, ms", v["ratio"], "(info)", None,
+    rows.append(row("any proposer, a verify step, 1 stream: 5 tokens / 1 token, ms", v["ratio"], "(info)", None,
                     f"{v['verify_ms']:.2f} vs {v['one_ms']:.2f} ms at a context of 160: what a rejected guess costs"))
     minutes = (datetime.now(timezone.utc) - began).total_seconds() / 60
     footer = (f"({minutes:.1f} min from {began.isoformat(timespec='seconds')}; load average {load_before:.2f} at the "
@@ -144,7 +144,7 @@ def main() -> int:
               f"{args.model} float32 on gen-continuous, greedy chat answers of at most {args.max_tokens} tokens; ngram: "
               "prompt lookup, k = 4, suffixes of 2 to 4 tokens; 1 stream: the same prompts one at a time to each "
               "server; saturation: closed-loop users for the window.")
-    write_results(args.out, numbers, rows, footer, width=96)
+    write_results(args.out, numbers, rows, footer, width=96, result_last=True)
     return exit_status(args, numbers, rows, smoke_checks)
 
 
