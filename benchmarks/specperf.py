@@ -144,6 +144,7 @@ def main() -> int:
               f"{args.model} float32 on gen-continuous, greedy chat answers of at most {args.max_tokens} tokens; ngram: "
               "prompt lookup, k = 4, suffixes of 2 to 4 tokens; 1 stream: the same prompts one at a time to each "
               "server; saturation: closed-loop users for the window.")
+    numbers["rows"] = rows
     write_results(args.out, numbers, rows, footer, width=96, result_last=True)
     return exit_status(args, numbers, rows, smoke_checks)
 

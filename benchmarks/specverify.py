@@ -64,6 +64,7 @@ def main() -> int:
     footer = (f"({(time.perf_counter() - started) / 60:.1f} min on {device}; each step: the model's forward on decode "
               f"chunks at a context of {args.context}, median of {args.repeats}; dtype "
               f"{', '.join(sorted({m['dtype'] for m in numbers['models']}))})")
+    numbers["rows"] = rows
     write_results(args.out, numbers, rows, footer, width=72)
     return exit_status(args, numbers, rows, smoke_checks)
 

@@ -238,3 +238,25 @@ def test_graphs_smoke_pads_every_step_and_keeps_the_tokens(tmp_path: Path) -> No
     assert m["tokens_equal"] == m["tokens"] == 4 * 8 and m["buckets"] == [[4, 128]]
     assert m["graphs_ms_1"] > 0 and m["eager_ms_4"] > 0 and m["dense_ms"] > 0
     assert run.stdout.count("gpt2-tiny-random:") == 6
+
+
+def test_specperf_smoke_measures_every_row_with_its_counters(tmp_path: Path) -> None:
+    run, numbers = smoke("specperf.py", tmp_path / "specperf.json")
+    targets = [r["target"] for r in numbers["rows"]]
+    for start in ("ngram, input-grounded, 1 stream:", "ngram, open-ended chat, 1 stream:",
+                  "draft, input-grounded, 1 stream:", "ngram, input-grounded, 4 streams: off above 2",
+                  "ngram, input-grounded, 4 streams: always on"):
+        assert any(t.startswith(start) for t in targets), start
+    lines = (tmp_path / "specperf.txt").read_text().splitlines()
+    assert all(line.endswith(("; PASS", "; FAIL", "; INFO")) for line in lines[3:3 + len(targets)])
+    (r,) = numbers["1 stream, draft"]
+    assert r["draft"]["spec_accepted_tokens"] == r["draft"]["spec_proposed_tokens"] > 0  # the same model guesses
+    assert r["draft"]["answers"] == r["plain"]["answers"]
+
+
+def test_specverify_smoke_times_a_verification_by_batch_and_k(tmp_path: Path) -> None:
+    run, numbers = smoke("specverify.py", tmp_path / "specverify.json")
+    (m,) = numbers["models"]
+    assert [(c["seqs"], c["k"]) for c in m["costs"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    assert all(c["verify_ms"] > 0 and c["one_ms"] > 0 for c in m["costs"]) and len(numbers["rows"]) == 4
+
