@@ -57,6 +57,7 @@ from .blocks import BlockManager
 
 __all__ = ["DraftModel", "Guess", "Speculator", "ngram_guess", "same_tokenizer"]
 
+
 def ngram_guess(context: Sequence[int], k: int, shortest: int = 2, longest: int = 4) -> list[int]:
     """Prompt lookup: for n from ``longest`` down to ``shortest``, the context's last n tokens are searched for
     earlier in it; at the latest earlier match, the (at most) k tokens that followed it. None found: []."""

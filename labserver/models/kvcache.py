@@ -39,8 +39,7 @@ What this is not: fused or fast; no kernel reads the blocks in place.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +63,6 @@ class CallPlan:
     #   its positions' slots, the keys each query may see (None: all, or plain causal), causal
     alone: tuple[torch.Tensor, int, torch.Tensor] | None = None  # the one decode group's slots, longest and
     #   keys when it is the whole call, its rows in call order (one stream's step, or a few sequences')
-    verifies: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]] = field(default_factory=list)  # per group
-    #   of verifying sequences (q queries each: a token and its guesses): their rows, slots, longest, keys seen
 
 
 class PagedKV:
@@ -113,56 +110,45 @@ class PagedKV:
         """Check each chunk's table against the pool and turn positions into slots."""
         dev = self.device
         write: list[int] = []
-        decoders: list[tuple[int, list[int]]] = []  # (row in the call, the slots of all its positions)
-        verifiers: list[tuple[int, list[int], int]] = []  # (first row, the slots of all its positions, queries)
+        queriers: list[tuple[int, list[int], int]] = []  # (its first row in the call, the slots of all its
+        #   positions, its queries): one token's, or a decoding sequence's token and its guesses (a verification)
         prompts = []
         for c in chunks:
             every = self.table_slots(c)
             a, n = len(write), len(c.tokens)
             write += every[c.start:]
-            if n == 1:  # one query: it sees every position
-                decoders.append((a, every))
-                continue
-            if c.decode:  # a decoding sequence's token and its guesses (speculative decoding): grouped as decodes
-                verifiers.append((a, every, n))
+            if n == 1 or c.decode:  # query i sees every position up to its own
+                queriers.append((a, every, n))
                 continue
             # a piece after cached positions: query j sees every key up to its own position start + j
             mask = None if c.start == 0 else (torch.arange(c.end, device=dev)[None, :]
                                               <= torch.arange(c.start, c.end, device=dev)[:, None])
             prompts.append((a, a + n, torch.tensor(every, device=dev), mask, c.start == 0))
-        decoders.sort(key=lambda d: len(d[1]))
-        decodes = []
-        for i in range(0, len(decoders), GROUP):
-            group = decoders[i:i + GROUP]
-            longest = len(group[-1][1])
-            padded = [slots + slots[:1] * (longest - len(slots)) for _, slots in group]  # (padding: masked out)
-            lengths = torch.tensor([len(slots) for _, slots in group], device=dev)
-            mine = (torch.arange(longest, device=dev)[None, :] < lengths[:, None])[:, None, None, :]
-            decodes.append((torch.tensor([row for row, _ in group], device=dev),
-                            torch.tensor(padded, device=dev).flatten(), longest, mine))
+        decodes = self._groups(queriers)  # (sorts queriers)
         alone = None
-        if len(decodes) == 1 and not prompts and not verifiers and [row for row, _ in decoders] == list(
-                range(len(decoders))):
+        if len(decodes) == 1 and not prompts and [a + j for a, _, n in queriers for j in range(n)] == list(
+                range(len(write))):
             alone = decodes[0][1:]
-        return CallPlan(torch.tensor(write, dtype=torch.long, device=dev), decodes, prompts, alone,
-                        self._verify_groups(verifiers))
+        return CallPlan(torch.tensor(write, dtype=torch.long, device=dev), decodes, prompts, alone)
 
-    def _verify_groups(self, verifiers: list[tuple[int, list[int], int]]) -> list[Any]:
-        """Verifying sequences of q queries each, grouped as decodes are (the same q, sorted by length, up to
-        ``GROUP``): query i of a sequence of length L sees its keys 0..L - q + i, causal within its own q."""
+    def _groups(self, queriers: list[tuple[int, list[int], int]]) -> list[tuple[torch.Tensor, torch.Tensor, int,
+                                                                                torch.Tensor]]:
+        """Decoding sequences grouped: the same number of queries, sorted by length, up to ``GROUP`` a group; per
+        group its rows, its slots padded to its longest, and the keys each query sees (query i of a sequence of
+        length L: 0..L - q + i)."""
         dev, groups = self.device, []
-        verifiers.sort(key=lambda v: (v[2], len(v[1])))
-        for i in range(0, len(verifiers)):
-            if i and verifiers[i][2] == verifiers[i - 1][2] and len(groups[-1]) < GROUP:
-                groups[-1].append(verifiers[i])
+        queriers.sort(key=lambda v: (v[2], len(v[1])))
+        for i, querier in enumerate(queriers):
+            if i and querier[2] == queriers[i - 1][2] and len(groups[-1]) < GROUP:
+                groups[-1].append(querier)
             else:
-                groups.append([verifiers[i]])
+                groups.append([querier])
         out = []
         for group in groups:
             q, longest = group[0][2], len(group[-1][1])
-            padded = [slots + slots[:1] * (longest - len(slots)) for _, slots, _ in group]
-            last = torch.tensor([len(slots) - q for _, slots, _ in group], device=dev)  # each one's first query's
-            sees = torch.arange(longest, device=dev)[None, None, :] <= (last[:, None, None]
+            padded = [slots + slots[:1] * (longest - len(slots)) for _, slots, _ in group]  # (padding: masked out)
+            first = torch.tensor([len(slots) - q for _, slots, _ in group], device=dev)  # each one's first query's
+            sees = torch.arange(longest, device=dev)[None, None, :] <= (first[:, None, None]
                                                                         + torch.arange(q, device=dev)[None, :, None])
             rows = torch.tensor([a + j for a, _, _ in group for j in range(q)], device=dev)
             out.append((rows, torch.tensor(padded, device=dev).flatten(), longest, sees[:, None]))
@@ -179,7 +165,7 @@ class PagedKV:
         if plan.alone is not None:  # one group of decoding sequences, the call's rows in order: no gather of q
             return self._decode(keys, values, q, *plan.alone, gqa)
         out = torch.empty_like(q)
-        for rows, read, longest, mine in (*plan.decodes, *plan.verifies):
+        for rows, read, longest, mine in plan.decodes:
             out[rows] = self._decode(keys, values, q[rows], read, longest, mine, gqa)
         for a, z, read, mask, causal in plan.prompts:
             kk = keys.index_select(0, read).to(wide).transpose(0, 1)
