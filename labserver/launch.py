@@ -216,6 +216,8 @@ def serve(
     router: str = "pow2",
     ray_address: str | None = None,
     replica_models: list[str] | None = None,
+    disaggregate: tuple[int, int] | None = None,
+    pin_cores: bool = False,
     **options: Any,
 ) -> Any:
     """Start a labserver and return its handle once it listens (and, with wait, once loaded).
@@ -233,11 +235,14 @@ def serve(
     least-loaded, prefix-hash, prefix-aware); ``ray_address`` joins a running cluster instead
     of starting a local Ray; ``replica_models`` gives replica i its own model spec (one slower
     replica, say). The handle's ``stop()`` (or the end of a ``with`` block) removes it.
+    ``disaggregate=(P, D)`` instead: P prefill and D decode replicas, the KV handed over
+    between them (``labserver.replicas.disagg``); ``pin_cores`` gives each replica its own CPUs.
     """
     config, obj = _prepare(strategy, model, host, port, options)
     release_openmp_threads()  # this thread's OpenMP workers would slow the model thread's (models.base)
-    if replicas is not None:  # (serve_replicas warns as run_forever does)
-        return _serve_replicas(config, obj, replicas, router, ray_address, attach, timeout_s, replica_models)
+    if replicas is not None or disaggregate is not None:  # (serve_replicas warns as run_forever does)
+        return _serve_replicas(config, obj, replicas, router, ray_address, attach, timeout_s, replica_models,
+                               disaggregate, pin_cores)
     config.warn_if_exposed()
     sock = bind_socket(config.host, config.port)
     server = build_server(config, obj)
@@ -278,8 +283,9 @@ def serve(
     return handle
 
 
-def _serve_replicas(config: ServerConfig, obj: Any, replicas: int, router: str, ray_address: str | None,
-                    attach: bool, timeout_s: float, models: list[str] | None) -> Any:
+def _serve_replicas(config: ServerConfig, obj: Any, replicas: int | None, router: str, ray_address: str | None,
+                    attach: bool, timeout_s: float, models: list[str] | None,
+                    disaggregate: tuple[int, int] | None = None, pin_cores: bool = False) -> Any:
     if obj is not None:
         raise ValueError("replicas load their model by name in their own processes: pass a spec "
                          "(e.g. 'gpt2-random'), not a model object")
@@ -287,7 +293,8 @@ def _serve_replicas(config: ServerConfig, obj: Any, replicas: int, router: str, 
         raise ValueError("replicas run on Ray Serve, not on this event loop: use serve(..., replicas=N) without attach")
     from .replicas import serve_replicas
 
-    return serve_replicas(config, replicas, router, ray_address=ray_address, timeout_s=timeout_s, models=models)
+    return serve_replicas(config, replicas, router, ray_address=ray_address, timeout_s=timeout_s, models=models,
+                          disaggregate=disaggregate, pin_cores=pin_cores)
 
 
 async def _serve_here(handle: ServerHandle, sock: socket.socket) -> None:

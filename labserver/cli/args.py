@@ -96,6 +96,9 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
                       help="no guesses while more than this many requests run or wait (default: always guess)")
     spec.add_argument("--draft-model", default=None, metavar="SPEC",
                       help="draft: the model that guesses (NAME or NAME:DTYPE), with the target's tokenizer")
+    p.add_argument("--handover-timeout-s", type=float, default=_LIMITS.handover_timeout_s,
+                   help="with --disaggregate: a prefill replica frees KV no decode replica pulled within this "
+                        "(default: %(default)s)")
     over = p.add_argument_group("under overload (docs/overload.md)")
     over.add_argument("--queue", default=_LIMITS.queue, choices=sorted(DISCIPLINES),
                       help="queue discipline within a priority class (default: %(default)s)")
@@ -153,6 +156,7 @@ def limits_from(args: argparse.Namespace) -> Limits:
         prompt_lookup_max=args.prompt_lookup_max,
         speculative_disable_batch_size=args.speculative_disable_batch_size,
         draft_model=args.draft_model,
+        handover_timeout_s=args.handover_timeout_s,
         queue=args.queue,
         codel_target_ms=args.codel_target_ms,
         codel_interval_ms=args.codel_interval_ms,

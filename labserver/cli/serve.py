@@ -54,11 +54,27 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--replicas", type=int, default=None,
                    help="N copies on Ray Serve behind one URL (a gen-* strategy; needs labserver[ray])")
-    p.add_argument("--router", default="pow2", help="with --replicas: random, round-robin, pow2 (Ray's default), "
-                                                    "least-loaded, prefix-hash, prefix-aware")
+    p.add_argument("--disaggregate", default=None, metavar="P:D", type=pools,
+                   help="instead of --replicas: P prefill and D decode replicas on Ray Serve, the KV handed over "
+                        "between them (gen-continuous or gen-paged; docs/replicas.md)")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="with --replicas or --disaggregate: each replica on its own share of this machine's CPUs "
+                        "(prefill replicas first), one torch thread per core")
+    p.add_argument("--router", default="pow2", help="with --replicas (within each pool with --disaggregate): random, "
+                                                    "round-robin, pow2 (Ray's default), least-loaded, prefix-hash, "
+                                                    "prefix-aware")
     p.add_argument("--ray-address", default=None,
-                   help="with --replicas: join this Ray cluster (never stopped here) instead of a local Ray")
+                   help="with --replicas or --disaggregate: join this Ray cluster (never stopped here) instead of a "
+                        "local Ray")
     p.set_defaults(func=cmd_serve)
+
+
+def pools(text: str) -> tuple[int, int]:
+    """``--disaggregate P:D`` -> (P, D), each at least 1."""
+    p, sep, d = text.partition(":")
+    if not (sep and p.isdigit() and d.isdigit() and int(p) >= 1 and int(d) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: give P:D, prefill and decode replicas, each at least 1 (e.g. 1:1)")
+    return int(p), int(d)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -73,7 +89,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         read_timeout_s=args.read_timeout, max_connections=args.max_connections, drain_grace_s=args.drain_grace,
         api_keys=tuple(args.api_key or ()), cache_isolation=args.cache_isolation,
     )
-    if args.replicas is not None:
+    if args.replicas is not None and args.disaggregate is not None:
+        print("labserver: --disaggregate P:D replaces --replicas N (P prefill + D decode replicas); give one",
+              file=sys.stderr)
+        return 2
+    if args.replicas is not None or args.disaggregate is not None:
         return serve_replicas_until_stopped(config, args)
     print(f"labserver: {config.strategy} serving {config.model} on http://{config.host}:{config.port} "
           f"(Ctrl-C to stop)", file=sys.stderr)
@@ -94,14 +114,17 @@ def serve_replicas_until_stopped(config: ServerConfig, args: argparse.Namespace)
 
     stop = threading.Event()
     try:
-        handle = serve_replicas(config, args.replicas, args.router, ray_address=args.ray_address)
+        handle = serve_replicas(config, args.replicas, args.router, ray_address=args.ray_address,
+                                disaggregate=args.disaggregate, pin_cores=args.pin_cores)
     except (ValueError, RuntimeError, TimeoutError) as e:
         print(f"labserver: {e}", file=sys.stderr)
         return 2
     for sig in (signal.SIGINT, signal.SIGTERM):  # (after ray.init, which installs handlers of its own)
         signal.signal(sig, lambda *_: stop.set())
     try:
-        print(f"labserver: {config.strategy} serving {config.model} x{args.replicas} replicas (router "
+        pools = (f"{args.disaggregate[0]} prefill + {args.disaggregate[1]} decode" if args.disaggregate else
+                 f"x{args.replicas}")
+        print(f"labserver: {config.strategy} serving {config.model} {pools} replicas (router "
               f"{args.router}) on {handle.url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         stop.wait()
     finally:

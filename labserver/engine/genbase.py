@@ -88,6 +88,8 @@ class GenEngine(EngineBase):
                                 "serve a real model (smollm2, a folder) with gen-continuous or gen-paged",
                                 param="logprobs")
 
+    hands_over = False  # it can end a sequence after its prompt and hand its KV on, or go on from one (StepEngine)
+
     @property
     def scores(self) -> bool:
         """Whether this engine's model gives log-probabilities (``Sampling.logprobs``): a model that computes."""
@@ -95,14 +97,20 @@ class GenEngine(EngineBase):
 
     def submit(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False, request_id: str = "",
                sampling: Sampling | None = None, stop: Sequence[str] = (), min_tokens: int = 0, priority: int = 0,
-               tenant: str = "", parent: Seq | None = None, cache_salt: str = "") -> Seq:
+               tenant: str = "", parent: Seq | None = None, cache_salt: str = "", hand_over: bool = False,
+               handed: Any = None) -> Seq:
         """Queue one sequence. Raises InputRejected (too long), Overloaded, ShuttingDown or WorkerDied.
 
         ``sampling`` None is greedy; ``stop`` strings end it early ("stop"); EOS cannot end it
         before ``min_tokens`` (the model never chooses EOS before then). ``parent``: another
         choice of the same request (n > 1), the first, whose prompt blocks this one may share.
         ``cache_salt``: only sequences with the same salt share prefix-cache blocks ("": no salt).
+        ``hand_over``: end it after its first token and keep its KV for a decode replica; ``handed``: a
+        ``Handover``, its prompt's KV and first token from a prefill replica (``labserver.engine.handover``).
         """
+        if (hand_over or handed is not None) and not self.hands_over:
+            raise InputRejected(f"{self.strategy.name} with {self.model.name} cannot hand a sequence's KV over "
+                                "between replicas (disaggregated serving needs gen-continuous or gen-paged)")
         self.check(prompt_ids, max_new_tokens, sampling, stop, min_tokens)
         self.admit_or_refuse(1)
         now = self.clock()
@@ -110,9 +118,11 @@ class GenEngine(EngineBase):
             sampling = replace(sampling or GREEDY, eos_from=len(prompt_ids) + min_tokens)
         seed = hash((tuple(prompt_ids), sampling.seed if sampling else None))  # its EOS stand-in: per request
         request = Request(prompt_ids, max_new_tokens, now, ignore_eos, request_id, sampling, tuple(stop), min_tokens,
-                          priority, tenant, seed, cache_salt)
+                          priority, tenant, seed, cache_salt, hand_over)
         seq = Seq(next(self._sids), request, asyncio.get_running_loop().create_future(), self.deadline_s(now),
-                  parent=parent, output=Detokenizer(self.model.text, stop))
+                  parent=parent, output=Detokenizer(self.model.text, stop), handed=handed)
+        if handed is not None:
+            seq.prompt_logprobs[:] = handed.prompt_logprobs
         self.queue.put([seq])
         return seq
 

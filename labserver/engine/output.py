@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Detokenizer", "Done", "Event", "Failed", "Made", "Placed"]
+__all__ = ["Detokenizer", "Done", "Event", "Failed", "Made", "Placed", "Pulled"]
 
 
 class Detokenizer:
@@ -117,17 +117,28 @@ class Made:
 
 @dataclass(frozen=True)
 class Done:
-    """Answered: why it ended, and what its engine counted of it."""
+    """Answered: why it ended, and what its engine counted of it; ended by "hand-over" (a prefill replica's), the
+    ticket its KV waits under for a decode replica's pull (``labserver.engine.handover``)."""
 
     finish_reason: str | None
     steps: int = 0
     step_batch_sum: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
+    ticket: int | None = None
 
     @classmethod
     def of(cls, seq: Any) -> Done:
-        return cls(seq.finish_reason, seq.steps, seq.step_batch_sum, seq.cached_tokens, seq.preemptions)
+        return cls(seq.finish_reason, seq.steps, seq.step_batch_sum, seq.cached_tokens, seq.preemptions,
+                   seq.sid if seq.finish_reason == "hand-over" else None)
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A decode replica holds the sequence's KV, pulled from its prefill replica: how long it took, how many bytes."""
+
+    ms: float
+    bytes: int
 
 
 @dataclass(frozen=True)
@@ -138,4 +149,4 @@ class Failed:
     message: str
 
 
-Event = Placed | Made | Done | Failed
+Event = Placed | Made | Done | Failed | Pulled

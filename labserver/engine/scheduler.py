@@ -34,6 +34,8 @@ from ..models import Chunk, Logprob, Scored, Verified
 from ..strategies import Admission, GenStrategy
 from ..strategies.generate import Call
 from .blocks import BlockManager
+from .handover import HANDOVER, handed_in
+from .running import RunningSeqs
 from .sequence import Seq, Status
 from .steprecord import StepCounters, StepRecord
 
@@ -75,56 +77,6 @@ class ModelCall:
                          guesses={sid: g for sid, g in self.guesses.items() if sid in ids})
 
 
-class RunningSeqs:
-    """The sequences admitted and not yet done, and the KV blocks they hold: what a rule sees as ``Running``
-    (``labserver.strategies.generate.Running``, the protocol this implements)."""
-
-    def __init__(self, blocks: BlockManager, seqs: Sequence[Seq] = (), released: Sequence[Seq] = ()) -> None:
-        self.seqs: list[Seq] = list(seqs)  # in admission order: the last one is the newest
-        self.blocks = blocks
-        self._released = {s.sid for s in released}  # planned preemptions: their blocks counted as given back
-
-    def without(self, seqs: Sequence[Seq]) -> RunningSeqs:
-        """The batch as it would be with these preempted: a plan, nothing moves until the scheduler acts on it."""
-        gone = {s.sid for s in seqs}
-        return RunningSeqs(self.blocks, [s for s in self.seqs if s.sid not in gone], [*seqs])
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    def __iter__(self) -> Iterator[Seq]:
-        return iter(self.seqs)
-
-    @property
-    def reserved(self) -> int:
-        return sum(s.reserve for s in self.seqs)
-
-    @property
-    def kv_tokens(self) -> int:
-        return sum(s.kv_tokens for s in self.seqs)
-
-    @property
-    def total_blocks(self) -> int:
-        return self.blocks.total
-
-    @property
-    def free_blocks(self) -> int:
-        """Blocks a sequence could take now (the prefix cache's unreferenced ones included)."""
-        return self.blocks.available + self.blocks.freed_by(self._released)
-
-    @property
-    def reserved_blocks(self) -> int:
-        return sum(self.blocks_for(s.reserve) for s in self.seqs)
-
-    def blocks_for(self, tokens: int) -> int:
-        return self.blocks.blocks_for(tokens)
-
-    def blocks_needed(self, seqs: Sequence[Seq]) -> int:
-        """Blocks these waiting sequences take if admitted now: their context and the token they make next,
-        less what a prefix cache shares with the running ones."""
-        return sum(self.blocks.cost(s.context, s.kv_tokens + 1, self._released, s.cache_salt) for s in seqs)
-
-
 class Scheduler:
     """Asks the strategy who runs next and keeps the books (see the module docstring)."""
 
@@ -140,6 +92,9 @@ class Scheduler:
         self.steps: deque[StepRecord] = deque(maxlen=history)
         self._calls: Iterator[Call] = iter(())  # the step under way: the rest of its calls
         self._step_ids = 0
+        self.park: Callable[[Seq], None] | None = None  # keeps a hand-over's blocks for a pull (engine.handover)
+        self.imports: list[tuple[Seq, int]] = []  # admitted with a hand-over's KV: each and its first position to
+        #   write (past its prefix-cache hit), until the engine writes them on the model thread
 
     # -- the plan -------------------------------------------------------------------------
     def next_call(self) -> ModelCall | None:
@@ -225,7 +180,16 @@ class Scheduler:
                 c.recomputed_tokens += seq.pending
             if seq.deadline_s < now:  # live() used the same reading: impossible, counted anyway
                 c.computed_after_deadline += 1
+            if seq.handed is not None:  # its KV written past the hit before the next call (engine.handover)
+                handed_in(seq, hit, now, c)
+                self.imports.append((seq, hit))
         return seqs
+
+    def fail(self, seq: Seq, error: BaseException) -> None:
+        """Out of the batch with ``error`` (a hand-over whose KV could not be written)."""
+        self.counters.items_failed += 1
+        seq.fail(error)
+        self._leave([seq])
 
     def _make_room(self, work: Work) -> list[Seq]:
         """Blocks for every position this call writes; when none is available, the strategy's victim
@@ -386,6 +350,10 @@ class Scheduler:
             return
         ids = {s.sid for s in seqs}
         self.running.seqs[:] = [s for s in self.running.seqs if s.sid not in ids]
+        for seq in seqs:  # a hand-over keeps its blocks for a decode replica's pull
+            if seq.finish_reason == HANDOVER and self.park is not None and not seq.future.cancelled():
+                self.park(seq)
+                ids.discard(seq.sid)
+        self.released += sorted(s.sid for s in seqs)
         for sid in sorted(ids):
             self.blocks.release(sid)
-            self.released.append(sid)

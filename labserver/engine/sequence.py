@@ -50,6 +50,8 @@ class Request:
     tenant: str = ""  # whose request: fair shares are kept per tenant
     seed: int = 0  # seeds the engine's per-request draws that sampling does not make (the EOS stand-in's)
     cache_salt: str = ""  # prefix-cache blocks are shared only between requests with the same salt ("": none)
+    hand_over: bool = False  # disaggregated serving's prefill side: it ends after its first token ("hand-over") and
+    #   its KV is kept for a decode replica to pull (labserver.engine.handover)
 
 
 def _asked(name: str) -> property:
@@ -85,6 +87,10 @@ class Seq:
     steps: int = 0  # decode steps it took part in while generating
     step_batch_sum: int = 0  # sum of those steps' sizes (for its mean batch)
     replica: str = ""  # behind a router: the replica generating it (known by its first token)
+    handed: Any = field(default=None, repr=False)  # a decode replica's: its prompt's KV and first token, computed by
+    #   a prefill replica (labserver.engine.handover.Handover), until admitted
+    prefilled_s: float = math.nan  # disaggregated: the prefill replica's first token reached the ingress
+    transfer_ms: float = math.nan  # disaggregated: the decode replica's pull of its KV took this long
     _wake: asyncio.Future[None] | None = field(default=None, repr=False)
 
     prompt_ids = _asked("prompt_ids")
@@ -167,6 +173,8 @@ class Seq:
             self.finish_reason = "length"
         elif (token == eos_id or token in eos_ids) and may_end:
             self.finish_reason = "eos"
+        elif self.request.hand_over:  # its KV goes to a decode replica, which makes the rest
+            self.finish_reason = "hand-over"
         if self.finished:
             self.finished_s = now
             if self.output is not None:

@@ -38,6 +38,7 @@ from ..strategies import GenStrategy
 from .blocks import BlockManager
 from .counters import Metric, gauge
 from .genbase import GenEngine, kv_budget_tokens
+from .handover import Handover, Parking
 from .modelthread import WorkerDied
 from .scheduler import ModelCall, RunningSeqs, Scheduler, StepCounters, StepRecord
 from .sequence import Seq
@@ -66,6 +67,9 @@ class StepEngine(GenEngine):
         self.scheduler = Scheduler(strategy, self.queue, self.blocks, self.counters, clock, self.live, self.emit,
                                    history)
         self.in_flight = self.scheduler.running.seqs  # (the same list) what drain waits for and a dying worker fails
+        self.hands_over = hasattr(model, "export_kv")
+        self.parking = Parking(self.blocks, limits.handover_timeout_s, self._expired)
+        self.scheduler.park = self.parking.park
         self.spec = Speculator(limits) if limits.speculative else None  # (a draft model joins it in ``ready``)
 
     async def ready(self) -> None:
@@ -112,6 +116,7 @@ class StepEngine(GenEngine):
         while True:
             call = self.scheduler.next_call()  # the step's next call; None: the step is over
             await self._release()  # the model forgets who left before it computes, or before we wait
+            await self._import()  # hand-overs admitted: their KV written before any call reads it
             if call is None:
                 await self.scheduler.admit()  # a step boundary: who joins (waits while nothing runs)
                 continue
@@ -194,6 +199,48 @@ class StepEngine(GenEngine):
             self.scheduler.released = []
             await self.call(self._forget, released)
 
+    # -- disaggregated serving (labserver.engine.handover) ---------------------------------------
+    async def _import(self) -> None:
+        """Write the KV of the sequences admitted with a hand-over (past their prefix-cache hits), on the model
+        thread; one whose copy does not fit this model fails alone."""
+        imports, self.scheduler.imports = self.scheduler.imports, []
+        for seq, start in imports:
+            handed, seq.handed = seq.handed, None
+            if seq.future.done():  # (answered meanwhile: left, or finished by its first token)
+                continue
+            table = tuple(self.blocks.tables[seq.sid])
+            try:
+                await self.call(self.model.import_kv, seq.sid, table, start, handed.positions, handed.kv)
+            except WorkerDied:
+                raise
+            except Exception as e:
+                logger.warning("sequence %d: its hand-over could not be written: %s", seq.sid, e)
+                self.scheduler.fail(seq, ModelError(f"the KV handed over does not fit {self.model.name}: {e}"))
+                continue
+            self.blocks.computed(seq.sid, seq.context, handed.positions)
+
+    async def pull(self, ticket: int) -> Handover:
+        """A parked sequence's KV (a copy) for a decode replica; its blocks go back. ReplicaLost when nothing is
+        parked under ``ticket`` (pulled already, or freed after ``handover_timeout_s``)."""
+        seq, table = self.parking.take(ticket)
+        try:
+            kv = await self.call(self.model.export_kv, table, len(seq.prompt_ids))
+        finally:
+            self.parking.release(ticket)
+        self.counters.kv_handed_out += 1
+        self.counters.kv_handed_out_bytes += len(seq.prompt_ids) * self.model.kv_bytes_per_token
+        return Handover(seq.tokens[0], len(seq.prompt_ids), kv, seq.logprobs[0] if seq.logprobs else None,
+                        tuple(seq.prompt_logprobs))
+
+    async def stop(self, in_flight_timeout_s: float = 60.0) -> None:
+        await super().stop(in_flight_timeout_s)
+        self.parking.clear()
+
+    def _expired(self, seq: Seq) -> None:
+        self.counters.kv_handovers_expired += 1
+        logger.warning("request %s: its KV was not pulled within %g s; freed", seq.request_id,
+                       self.limits.handover_timeout_s)
+
     def _forget(self, sids: list[int]) -> None:
         """On the model thread: the model (and a draft model) may drop these sequences' KV."""
         self.model.release(sids)
@@ -209,6 +256,8 @@ class StepEngine(GenEngine):
                 gauge("kv_blocks", "KV-cache blocks by state", {"used": b.used, "cached": b.cached, "free": b.free},
                       label="state"),
                 gauge("kv_block_tokens", "Tokens per KV block", b.block_tokens),
+                gauge("kv_parked", "Disaggregated prefill side: sequences whose blocks wait for a decode replica's "
+                      "pull", len(self.parking)),
                 gauge("kv_blocks_total", "KV-cache blocks in the pool", b.total),
                 gauge("kv_tokens_total", "KV-cache positions the pool holds (its token budget)",
                       b.total * b.block_tokens),

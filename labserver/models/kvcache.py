@@ -99,6 +99,31 @@ class PagedKV:
         b = self.block_tokens
         return [table[p // b] * b + p % b for p in range(start, end)]
 
+    def gather(self, table: Sequence[int], positions: int) -> torch.Tensor:
+        """A copy of positions 0..positions - 1 of a block table, every layer's K and V: ``[layers, 2, positions,
+        heads, head_dim]`` (what a prefill replica hands a decode replica: ``labserver.engine.handover``)."""
+        slots = torch.tensor(self._checked(table, 0, positions), dtype=torch.long, device=self.device)
+        return torch.stack([torch.stack((k.index_select(0, slots), v.index_select(0, slots)))
+                            for k, v in zip(self.k, self.v, strict=True)])
+
+    def scatter(self, table: Sequence[int], start: int, end: int, kv: torch.Tensor) -> None:
+        """Write positions start..end - 1 of a block table from ``kv`` (``gather``'s shape, positions 0..end - 1 or
+        more), converted to this pool's dtype and device."""
+        want = (self.layers, 2, self.heads, self.head_dim)
+        if kv.dim() != 5 or (kv.shape[0], kv.shape[1], *kv.shape[3:]) != want or kv.shape[2] < end:
+            raise ModelError(f"KV of shape {tuple(kv.shape)} does not hold positions 0..{end - 1} of a model of "
+                             f"{self.layers} layers x {self.heads} KV heads x {self.head_dim}")
+        slots = torch.tensor(self._checked(table, start, end), dtype=torch.long, device=self.device)
+        part = kv[:, :, start:end].to(device=self.device, dtype=self.dtype)
+        for layer, (k, v) in enumerate(zip(self.k, self.v, strict=True)):
+            k.index_copy_(0, slots, part[layer, 0])
+            v.index_copy_(0, slots, part[layer, 1])
+
+    def _checked(self, table: Sequence[int], start: int, end: int) -> list[int]:
+        if len(table) * self.block_tokens < end or any(not 0 <= x < self.blocks for x in table):
+            raise ModelError(f"blocks {list(table)} do not hold positions 0..{end - 1} in a pool of {self.blocks}")
+        return self.slots(table, start, end)
+
     def table_slots(self, c: Chunk) -> list[int]:
         """The slots of a chunk's positions 0..end - 1, its table checked against the pool first."""
         if len(c.blocks) * self.block_tokens < c.end or any(not 0 <= x < self.blocks for x in c.blocks):

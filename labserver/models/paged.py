@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -289,6 +290,19 @@ class PagedLM(TokenizerText):
 
     def release(self, seq_ids: list[int]) -> None:
         self._live.difference_update(seq_ids)
+
+    # -- the hand-over between replicas (labserver.engine.handover) ------------------------------------
+    @torch.inference_mode()
+    def export_kv(self, table: Sequence[int], positions: int) -> torch.Tensor:
+        """A copy of the KV of a sequence's first ``positions`` positions (``PagedKV.gather``), on the CPU."""
+        return self.kv.gather(table, positions).cpu()
+
+    @torch.inference_mode()
+    def import_kv(self, sid: int, table: Sequence[int], start: int, end: int, kv: torch.Tensor) -> None:
+        """Write positions start..end - 1 of ``sid`` from a copy ``export_kv`` made (another replica's): from now on
+        the sequence holds its cache as if it had been prefilled here."""
+        self.kv.scatter(table, start, end, kv)
+        self._live.add(sid)
 
     @property
     def cached(self) -> int:

@@ -26,7 +26,7 @@ import random
 import re
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,6 +220,27 @@ class SyntheticGen:
 
     def release(self, seq_ids: list[int]) -> None:
         self._live.difference_update(seq_ids)
+
+    def export_kv(self, table: Sequence[int], positions: int) -> list[int]:
+        """The signatures of a sequence's first ``positions`` positions (what a hand-over carries)."""
+        chunk = Chunk(0, (), 0, table)
+        out = []
+        for p in range(positions):
+            block, offset = self._slot(chunk, p)
+            if block[offset] is None:
+                raise ModelError(f"position {p} was never computed")
+            out.append(block[offset])
+        return out  # type: ignore[return-value]
+
+    def import_kv(self, sid: int, table: Sequence[int], start: int, end: int, kv: Sequence[int]) -> None:
+        """Write positions start..end - 1 of ``sid`` from ``export_kv``'s signatures."""
+        if len(kv) < end:
+            raise ModelError(f"a hand-over of {len(kv)} positions does not hold positions 0..{end - 1}")
+        chunk = Chunk(sid, (), 0, table)
+        for p in range(start, end):
+            block, offset = self._slot(chunk, p)
+            block[offset] = kv[p]
+        self._live.add(sid)
 
     def _token(self, chunk: Chunk, position: int, signature: int) -> int:
         """The token after ``position`` tokens: greedy, a word picked by the context's signature; sampled, a word

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -45,13 +46,23 @@ class ReplicasHandle:
     """What ``serve_replicas`` returns: the URL, the stats, ``stop()`` (also by leaving a ``with`` block)."""
 
     def __init__(self, url: str, config: ServerConfig, replicas: int, router: str, started_ray: bool,
-                 started_serve: bool) -> None:
+                 started_serve: bool, disaggregate: tuple[int, int] | None = None) -> None:
         self.url, self.config, self.replicas, self.router = url, config, replicas, router
         self.started_ray, self.started_serve = started_ray, started_serve
+        self.disaggregate = disaggregate  # (P, D): prefill and decode pools
         self.stopped = False
 
     def __repr__(self) -> str:
-        return f"<labserver {self.config.strategy} x{self.replicas} replicas, router {self.router}, at {self.url}>"
+        pools = (f"{self.disaggregate[0]} prefill + {self.disaggregate[1]} decode" if self.disaggregate else
+                 f"x{self.replicas}")
+        return f"<labserver {self.config.strategy} {pools} replicas, router {self.router}, at {self.url}>"
+
+    def fault(self, pool: str, when: str) -> None:
+        """Fault injection (tests, lessons): one replica of ``pool`` ("Prefill", "Decode"; the router's pick) exits
+        at ``when`` (``labserver.replicas.deploy.Replica.fault``); Serve starts a new one in its place."""
+        from ray import serve
+
+        serve.get_deployment_handle(pool, app_name=APP).fault.remote(when).result(timeout_s=30)
 
     @property
     def api_key(self) -> str | None:
@@ -108,9 +119,11 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def serve_replicas(config: ServerConfig, replicas: int, router: str = "pow2", *, ray_address: str | None = None,
-                   num_cpus: float | None = None, max_ongoing: int | None = None, models: list[str] | None = None,
-                   timeout_s: float = 300.0) -> ReplicasHandle:
+def serve_replicas(config: ServerConfig, replicas: int | None = None, router: str = "pow2", *,
+                   ray_address: str | None = None, num_cpus: float | None = None, max_ongoing: int | None = None,
+                   models: list[str] | None = None, timeout_s: float = 300.0,
+                   disaggregate: tuple[int, int] | None = None, pin_cores: bool = False,
+                   threads: int | None = None) -> ReplicasHandle:
     """Deploy ``replicas`` copies of ``config``'s server behind an ingress on Ray Serve; returns once it answers.
 
     ``models``: replica i serves ``models[i % len(models)]`` instead of ``config.model`` (one
@@ -118,22 +131,36 @@ def serve_replicas(config: ServerConfig, replicas: int, router: str = "pow2", *,
     ingress reads prompts with ``config.model``'s tokenizer, so they must share one.
     ``max_ongoing``: requests one replica holds (default 4 x max_batch_size); Ray's router
     holds the rest.
+    ``disaggregate=(P, D)``: instead of ``replicas``, P prefill and D decode replicas, the KV
+    handed over between them (``labserver.replicas.disagg``); ``router`` picks within each pool.
+    ``pin_cores``: each replica's process on its own share of this machine's CPUs (prefill
+    replicas first), one torch thread per core; ``threads``: torch threads per replica.
     """
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, RequestRouterConfig
 
     from .deploy import Board, Ingress, ReplicaServer
+    from .disagg import core_groups
     from .routers import router_class
 
     from ..strategies import GenStrategy, make_strategy
 
     config.warn_if_exposed()
-    if replicas < 1:
-        raise ValueError(f"replicas must be at least 1, got {replicas}")
+    if (replicas is None) == (disaggregate is None):
+        raise ValueError("give replicas=N or disaggregate=(P, D), not both" if replicas is not None else
+                         "give replicas=N or disaggregate=(P, D)")
+    pools = [replicas] if replicas is not None else list(disaggregate)  # type: ignore[arg-type]
+    if len(pools) not in (1, 2) or min(pools) < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}" if replicas is not None else
+                         f"disaggregate needs at least one prefill and one decode replica, got {disaggregate}")
     if not isinstance(make_strategy(config.strategy, config.limits), GenStrategy):
         raise ValueError(f"replicas serve generation (a gen-* strategy); {config.strategy} is an encoder strategy")
+    if disaggregate is not None and config.strategy == "gen-hf-cb":
+        raise ValueError("disaggregate hands KV blocks between labserver's own engines: gen-hf-cb (transformers' "
+                         "manager) cannot; use gen-continuous or gen-paged")
     path = router_class(router)  # ValueError before anything starts
+    total = sum(pools)
     if config.limits.max_batch_size is None:
         raise ValueError("replicas need max_batch_size (what each replica runs at once)")
     started = False
@@ -141,7 +168,7 @@ def serve_replicas(config: ServerConfig, replicas: int, router: str = "pow2", *,
         pass
     elif ray_address is None:
         with local_ray(config.host) as node:
-            ray.init(num_cpus=num_cpus or replicas + 1, include_dashboard=False, log_to_driver=False,
+            ray.init(num_cpus=num_cpus or total + 1, include_dashboard=False, log_to_driver=False,
                      logging_level=logging.WARNING, configure_logging=False, _node_ip_address=node)
         started = True
     else:
@@ -155,22 +182,32 @@ def serve_replicas(config: ServerConfig, replicas: int, router: str = "pow2", *,
             serve.start(http_options=HTTPOptions(host=host, port=port), logging_config={"log_level": "WARNING"})
             started_serve = True
         per_replica = max_ongoing or 4 * config.limits.max_batch_size  # its batch and a queue behind it
-        cpu = 1.0 if num_cpus is None else num_cpus / (replicas + 1)
+        cpu = 1.0 if num_cpus is None else num_cpus / (total + 1)
         board = Board.remote()
-        replica = ReplicaServer.options(
-            num_replicas=replicas, max_ongoing_requests=per_replica, ray_actor_options={"num_cpus": cpu * 0.9},
-            request_router_config=RequestRouterConfig(request_router_class=path),
-            health_check_period_s=1.0, health_check_timeout_s=10.0,
-        ).bind(config, board, models)
+        groups = core_groups(sorted(os.sched_getaffinity(0)), total) if pin_cores else None
+
+        def pool(name: str, n: int, first: int, route: str, *args: Any) -> Any:
+            cores = groups[first:first + n] if groups else None
+            return ReplicaServer.options(
+                name=name, num_replicas=n, max_ongoing_requests=per_replica, ray_actor_options={"num_cpus": cpu * 0.9},
+                request_router_config=RequestRouterConfig(request_router_class=route),
+                health_check_period_s=1.0, health_check_timeout_s=10.0,
+            ).bind(config, board, models, *args, cores, threads)
+
+        if disaggregate is None:
+            replica, decode = pool("ReplicaServer", total, 0, path), None
+        else:
+            replica = pool("Prefill", pools[0], 0, router_class(router, pinned=True), "prefill", None)
+            decode = pool("Decode", pools[1], pools[0], path, "decode", replica)
         ingress = Ingress.options(ray_actor_options={"num_cpus": cpu * 0.1}, max_ongoing_requests=100_000
-                                  ).bind(config, replica, board, replicas * per_replica)
+                                  ).bind(config, replica, board, total * per_replica, decode)
         serve.run(ingress, name=APP, route_prefix="/", blocking=False)
         url = f"http://{host}:{port}"
-        handle = ReplicasHandle(url, config, replicas, router, started, started_serve)
+        handle = ReplicasHandle(url, config, replicas or total, router, started, started_serve, disaggregate)
         wait_healthy(url, timeout_s)
         return handle
     except BaseException:
-        ReplicasHandle("", config, replicas, router, started, started_serve).stop()
+        ReplicasHandle("", config, total, router, started, started_serve).stop()
         raise
 
 

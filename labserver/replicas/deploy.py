@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,18 +32,21 @@ import ray
 from ray import serve
 
 from ..config import ServerConfig
-from ..engine.output import Done, Failed, Made, Placed
+from ..engine.base import ReplicaLost
+from ..engine.handover import handover_lost
+from ..engine.output import Done, Failed, Made, Placed, Pulled
 from ..models import Sampling
 from ..server import create_app
 from ..server.handling import describe
 from ..server.streaming import write_stream
 from ..server.runtime import Runtime
-from .remote import RemoteEngine
+from .disagg import DisaggEngine
+from .remote import REPORT_S, BoardedEngine, RemoteEngine
 
-__all__ = ["Board", "Ingress", "ReplicaServer", "Reports"]
+__all__ = ["Board", "Ingress", "Replica", "ReplicaServer", "Reports"]
 
 logger = logging.getLogger(__name__)
-REPORT_S = 0.5  # how often a replica sends the board its stats
+PULL_TIMEOUT_S = 30.0  # a decode replica gives up on a pull after this long (the prefill replica is gone)
 
 
 class Reports:
@@ -70,15 +74,25 @@ class Reports:
 Board = ray.remote(num_cpus=0)(Reports)  # the actor every replica reports to and the ingress reads
 
 
-@serve.deployment
-class ReplicaServer:
-    """One labserver runtime; ``generate`` streams one sequence's events (``remote`` says which)."""
+class Replica:
+    """One labserver runtime; ``generate`` streams one sequence's events (``remote`` says which).
 
-    async def __init__(self, config: ServerConfig, board: Any, models: list[str] | None = None) -> None:
+    Disaggregated (``labserver.replicas.disagg``), the same class serves both pools: a
+    prefill replica's ``generate`` takes jobs with ``hand_over`` (its first token, then its KV
+    parked) and its ``pull`` hands the KV over; a decode replica's takes jobs with ``kv`` (the
+    prefill replica and ticket) and pulls before it submits. ``cores``: the CPUs this replica's
+    process may run on (pinned, one torch thread each); ``threads``: torch threads (None: torch's
+    default).
+    """
+
+    async def __init__(self, config: ServerConfig, board: Any, models: list[str] | None = None, role: str = "",
+                       prefill: Any = None, cores: list[list[int]] | None = None, threads: int | None = None) -> None:
         context = serve.get_replica_context()
         self.rank = context.rank.rank if context.rank is not None else 0
+        self.role, self.prefill, self.crash = role, prefill, ""
         if models:  # heterogeneous replicas: replica i serves models[i % len(models)] (e.g. one slower)
             config = dataclasses.replace(config, model=models[self.rank % len(models)])
+        pin(cores[self.rank % len(cores)] if cores else None, threads)
         self.runtime = Runtime(config)
         await self.runtime.start()
         await self.runtime.wait_loaded()
@@ -93,7 +107,8 @@ class ReplicaServer:
             engine = self.runtime.engine
             if engine is not None:
                 stats = {**engine.stats(), "answered": self.runtime.statuses[200], "rank": self.rank,
-                         "model": self.runtime.config.model}
+                         "model": self.runtime.config.model, "role": self.role or "both",
+                         "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
                 with contextlib.suppress(Exception):  # (the board is gone while the app stops)
                     await self.board.put.remote(self.id, stats, engine.metrics())
             await asyncio.sleep(REPORT_S)
@@ -103,11 +118,20 @@ class ReplicaServer:
         yield Placed(self.id)
         engine: Any = self.runtime.engine
         try:
+            handed = None
+            if job.get("kv"):  # a decode replica's: the KV first, from the prefill replica that holds it
+                self._fault("pull")
+                start = time.perf_counter()
+                handed = await self._pull(job["kv"])
+                yield Pulled((time.perf_counter() - start) * 1000, handed.positions * engine.model.kv_bytes_per_token)
             sampling = Sampling(**job["sampling"]) if job.get("sampling") else None
             seq = engine.submit(job["prompt_ids"], job["max_new_tokens"], ignore_eos=job["ignore_eos"],
                                 request_id=job["request_id"], sampling=sampling, stop=tuple(job["stop"]),
                                 min_tokens=job["min_tokens"], priority=job.get("priority", 0),
-                                tenant=job.get("tenant", ""), cache_salt=job.get("cache_salt", ""))
+                                tenant=job.get("tenant", ""), cache_salt=job.get("cache_salt", ""),
+                                hand_over=bool(job.get("hand_over")), handed=handed)
+            if job.get("hand_over"):
+                self._fault("prefill")
         except Exception as e:
             yield Failed(*describe(e)[:2])
             return
@@ -116,6 +140,32 @@ class ReplicaServer:
         async for event in write_stream(self.runtime, [seq], job["request_id"], time.perf_counter(), _Events(seq)):
             yield event
 
+    async def _pull(self, kv: dict[str, Any]) -> Any:
+        """The KV a prefill replica parked for this sequence (``{"replica", "ticket"}``), through the prefill pool's
+        handle pinned to that replica; ReplicaLost when it cannot be had within ``PULL_TIMEOUT_S``."""
+        try:
+            return await asyncio.wait_for(self.prefill.options(method_name="pull").remote(kv), PULL_TIMEOUT_S)
+        except ReplicaLost:  # (Ray's error for a pull that raised is an instance of its cause too)
+            raise handover_lost(kv["ticket"]) from None
+        except Exception as e:
+            raise ReplicaLost(f"the prefill replica holding this request's KV could not be reached "
+                              f"({type(e).__name__}); retry") from None
+
+    async def pull(self, kv: dict[str, Any]) -> Any:
+        """A prefill replica's: the KV parked under ``kv["ticket"]`` (``StepEngine.pull``), its blocks given back."""
+        return await self.runtime.engine.pull(int(kv["ticket"]))  # type: ignore[union-attr]
+
+    def fault(self, when: str) -> None:
+        """Fault injection for tests and lessons, through a Ray handle only (no route reaches it): this replica's
+        process exits at ``when``: "prefill" (a prefill replica, its next prompt submitted and not yet computed) or
+        "pull" (a decode replica, its next hand-over received and not yet pulled)."""
+        self.crash = when
+
+    def _fault(self, when: str) -> None:
+        if self.crash == when:
+            logger.warning("replica %s: fault injected at %s: exiting", self.id, when)
+            os._exit(1)
+
     def check_health(self) -> None:
         if not self.runtime.healthy():
             raise RuntimeError("replica engine is not healthy")
@@ -123,6 +173,20 @@ class ReplicaServer:
     async def __del__(self) -> None:
         self._report.cancel()
         await self.runtime.stop()
+
+
+ReplicaServer = serve.deployment(Replica)
+
+
+def pin(cores: list[int] | None, threads: int | None) -> None:
+    """This process on ``cores`` only, with one torch thread per core; or only ``threads`` torch threads."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+        threads = threads or len(cores)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 class _Events:
@@ -153,11 +217,15 @@ class _Events:
 class Ingress:
     """labserver's app, its engine handing every sequence to the replicas (``RemoteEngine``)."""
 
-    def __init__(self, config: ServerConfig, replicas: Any, board: Any, max_in_flight: int) -> None:
+    def __init__(self, config: ServerConfig, replicas: Any, board: Any, max_in_flight: int, decode: Any = None) -> None:
+        """``decode``: disaggregated, the decode pool's handle (``replicas`` is then the prefill pool's)."""
         self.config, self.replicas, self.board, self.max_in_flight = config, replicas, board, max_in_flight
+        self.decode = decode
 
     def __serve_build_asgi_app__(self) -> Any:
         def engine(strategy: Any, model: Any) -> RemoteEngine:
+            if self.decode is not None:
+                return DisaggEngine(strategy, model, self.replicas, self.max_in_flight, self.board, self.decode)
             return BoardedEngine(strategy, model, self.replicas, self.max_in_flight, self.board)
 
         app = create_app(self.config, engine_factory=engine)
@@ -167,34 +235,3 @@ class Ingress:
     async def drain(self) -> None:
         """Before the app is removed (``ReplicasHandle.stop``): what a single server does before it closes."""
         await self.runtime.drain()
-
-
-class BoardedEngine(RemoteEngine):
-    """A RemoteEngine whose stats include every replica's, read from the board."""
-
-    def __init__(self, strategy: Any, model: Any, handle: Any, max_in_flight: int, board: Any) -> None:
-        super().__init__(strategy, model, handle, max_in_flight)
-        self.board = board
-        self.reports: dict[str, tuple[dict[str, Any], list[Any]]] = {}
-        self._poll: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        super().start()
-        self._poll = asyncio.get_running_loop().create_task(self._polling())
-
-    async def _polling(self) -> None:
-        while True:
-            with contextlib.suppress(Exception):
-                self.reports = await self.board.all.remote()
-            await asyncio.sleep(REPORT_S)
-
-    async def stop(self, in_flight_timeout_s: float = 60.0) -> None:
-        if self._poll is not None:
-            self._poll.cancel()
-        await super().stop(in_flight_timeout_s)
-
-    def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "replicas": {r: s for r, (s, _) in self.reports.items()}}
-
-    def by_replica(self) -> dict[str, list[Any]]:
-        return {r: m for r, (_, m) in self.reports.items()}

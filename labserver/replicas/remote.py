@@ -23,6 +23,7 @@ that table's exception: one table, both directions).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from typing import Any
@@ -35,10 +36,11 @@ from ..engine.sequence import Seq
 from ..models import ModelError
 from ..server.handling import ERROR_TABLE
 
-__all__ = ["ERRORS", "REPLICA_LOST", "RemoteEngine", "job_of"]
+__all__ = ["ERRORS", "REPLICA_LOST", "REPORT_S", "BoardedEngine", "RemoteEngine", "failure", "job_of", "until"]
 
 logger = logging.getLogger(__name__)
 
+REPORT_S = 0.5  # how often a replica sends the board its stats (and the ingress reads the board)
 REPLICA_LOST = "the replica generating this request stopped; retry"
 ERRORS: dict[str, type[BaseException]] = {kind: exc for exc, kind, _, _ in ERROR_TABLE}  # a replica's error kind ->
 #   the exception the routes answer with the same status
@@ -83,22 +85,27 @@ class RemoteEngine(GenEngine):
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    async def _stream(self, seq: Seq) -> None:
+        """One replica generates ``seq``: its events mirrored into it until it ends."""
+        stream = self.handle.options(stream=True).generate.remote(job_of(seq))
+        # (a client that leaves settles seq.future: until stops reading, and Ray cancels the replica's work)
+        async for event in until(stream, seq.future):
+            match event:
+                case Placed(replica):
+                    seq.replica = replica
+                case Made():
+                    self._made(seq, event)
+                case Done():
+                    self._finish(seq, event)
+                case Failed(kind, message):
+                    raise failure(kind, message)
+        if not seq.future.done():  # the stream ended without an ending: the replica is gone
+            raise ReplicaLost(REPLICA_LOST)
+
     async def _forward(self, seq: Seq) -> None:
         seq.admitted_s = self.clock()  # handed to the router
-        stream = self.handle.options(stream=True).generate.remote(job_of(seq))
-        try:  # (a client that leaves settles seq.future: _until stops reading, and Ray cancels the replica's work)
-            async for event in _until(stream, seq.future):
-                match event:
-                    case Placed(replica):
-                        seq.replica = replica
-                    case Made():
-                        self._made(seq, event)
-                    case Done():
-                        self._finish(seq, event)
-                    case Failed(kind, message):
-                        raise ERRORS.get(kind, ModelError)(message)
-            if not seq.future.done():  # the stream ended without an ending: the replica is gone
-                raise ReplicaLost(REPLICA_LOST)
+        try:
+            await self._stream(seq)
         except asyncio.CancelledError:
             seq.fail(ShuttingDown("server is shutting down; generation stopped"))
             raise
@@ -136,7 +143,12 @@ class RemoteEngine(GenEngine):
             task.cancel()
 
 
-async def _until(stream: Any, gone: asyncio.Future[Any]) -> Any:
+def failure(kind: str, message: str) -> BaseException:
+    """A replica's ``Failed`` event as the exception the routes answer with the same status."""
+    return ERRORS.get(kind, ModelError)(message)
+
+
+async def until(stream: Any, gone: asyncio.Future[Any]) -> Any:
     """The stream's events until it ends or ``gone`` is settled by someone else (the client left)."""
     it = stream.__aiter__()
     while True:
@@ -163,3 +175,34 @@ def _drop(task: asyncio.Future[Any]) -> None:
         task.cancel()
     elif not task.cancelled():
         task.exception()
+
+
+class BoardedEngine(RemoteEngine):
+    """A RemoteEngine whose stats include every replica's, read from the board."""
+
+    def __init__(self, strategy: Any, model: Any, handle: Any, max_in_flight: int, board: Any) -> None:
+        super().__init__(strategy, model, handle, max_in_flight)
+        self.board = board
+        self.reports: dict[str, tuple[dict[str, Any], list[Any]]] = {}
+        self._poll: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        super().start()
+        self._poll = asyncio.get_running_loop().create_task(self._polling())
+
+    async def _polling(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                self.reports = await self.board.all.remote()
+            await asyncio.sleep(REPORT_S)
+
+    async def stop(self, in_flight_timeout_s: float = 60.0) -> None:
+        if self._poll is not None:
+            self._poll.cancel()
+        await super().stop(in_flight_timeout_s)
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "replicas": {r: s for r, (s, _) in self.reports.items()}}
+
+    def by_replica(self) -> dict[str, list[Any]]:
+        return {r: m for r, (_, m) in self.reports.items()}

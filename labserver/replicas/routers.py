@@ -13,13 +13,14 @@ This module imports Ray: load it only where Ray is installed (``pip install 'lab
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from ..routing import Policy, Route, make_policy
 
-__all__ = ["ROUTERS", "LeastLoadedRouter", "PolicyRouter", "PrefixAwareRouter", "PrefixHashRouter", "RandomRouter",
+__all__ = ["PINNED", "ROUTERS", "LeastLoadedRouter", "Pinned", "PolicyRouter", "PrefixAwareRouter", "PrefixHashRouter", "RandomRouter",
            "RoundRobinRouter", "router_class"]
 
 
@@ -79,9 +80,36 @@ ROUTERS: dict[str, str] = {cls.policy_name: f"{__name__}:{cls.__name__}" for cls
 ROUTERS["pow2"] = "ray.serve._private.request_router.pow_2_router:PowerOfTwoChoicesRequestRouter"
 
 
-def router_class(name: str) -> str:
-    """The import path Ray loads for a router name; ValueError naming the known ones."""
+class Pinned(RequestRouter):
+    """A router for a prefill pool: a call that names its replica (``{"replica": id, ...}``: a decode replica's
+    pull of the KV that replica holds) goes to that replica, whatever the policy; the rest as the policy says. A
+    named replica that is gone is offered to nobody: the call waits, bounded by its caller's timeout."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        ask = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if isinstance(ask, dict) and "ticket" in ask:
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == ask["replica"]]]
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+
+def _pinned(path: str) -> str:
+    """The import path of ``path``'s router with ``Pinned`` in front (made here once per router)."""
+    module, _, name = path.partition(":")
+    base = getattr(importlib.import_module(module), name)
+    pinned = f"Pinned{name}"
+    if pinned not in globals():
+        globals()[pinned] = type(pinned, (Pinned, base), {"__module__": __name__})
+    return f"{__name__}:{pinned}"
+
+
+PINNED: dict[str, str] = {name: _pinned(path) for name, path in ROUTERS.items()}  # the same routers, pulls pinned
+
+
+def router_class(name: str, pinned: bool = False) -> str:
+    """The import path Ray loads for a router name (``pinned``: for a prefill pool); ValueError naming the known
+    ones."""
     try:
-        return ROUTERS[name]
+        return (PINNED if pinned else ROUTERS)[name]
     except KeyError:
         raise ValueError(f"unknown router {name!r}: use one of {', '.join(sorted(ROUTERS))}") from None

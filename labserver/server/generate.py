@@ -90,7 +90,9 @@ def timing(seq: Seq, t0: float, now: float) -> dict[str, Any]:
 
     return {"queue_ms": ms(seq.admitted_s), "ttft_ms": ms(seq.first_token_s), "server_ms": ms(now),
             "steps": seq.steps, "mean_step_batch": round(seq.step_batch_sum / seq.steps, 2) if seq.steps else None,
-            "cached_tokens": seq.cached_tokens, "preemptions": seq.preemptions}
+            "cached_tokens": seq.cached_tokens, "preemptions": seq.preemptions,
+            "prefilled_ms": ms(seq.prefilled_s),
+            "transfer_ms": None if math.isnan(seq.transfer_ms) else round(seq.transfer_ms, 3)}
 
 
 def _event(kind: bytes, data: Any) -> bytes:

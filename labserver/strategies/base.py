@@ -82,6 +82,8 @@ class Limits:
     speculative_disable_batch_size: int | None = None  # no guesses while more than this many requests run or
     #   wait (vLLM's disable_by_batch_size); None: always
     draft_model: str | None = None  # draft: the model that guesses, NAME or NAME:DTYPE, with the target's tokenizer
+    handover_timeout_s: float = 30.0  # disaggregated serving: a prefill's KV not pulled by a decode replica within
+    #   this is freed (labserver.engine.handover)
     # under overload (labserver.strategies.queueing, .scheduling): who goes first, who is refused
     queue: str = "fifo"  # queue discipline within a priority class: fifo, lifo, adaptive-lifo, codel
     codel_target_ms: float = 5.0  # codel: while a queue stands, shed whoever waited longer than this
@@ -116,6 +118,7 @@ class Limits:
              or self.speculative_disable_batch_size >= 0, ">= 0 or None"),
             ("draft_model", self.speculative != "draft" or bool(self.draft_model),
              "a model spec with speculative='draft' (the model that guesses)"),
+            ("handover_timeout_s", self.handover_timeout_s > 0, "> 0"),
             ("codel_target_ms", self.codel_target_ms > 0, "> 0"),
             ("codel_interval_ms", self.codel_interval_ms > 0, "> 0"),
             ("admit", self.admit in DOORS, " or ".join(map(repr, DOORS))),
