@@ -265,7 +265,7 @@ class SyntheticGen:
 
 _SYNTHETIC_GEN = re.compile(r"^synthetic-gen:(?P<prefill>[0-9.]+)\+(?P<step>[0-9.]+)(?:\?(?P<opts>.*))?$")
 _OPTIONS: dict[str, Callable[[str], Any]] = {"per_token": float, "per_seq": float, "eos_after": int,
-                                             "max_context": int, "right": float}
+                                             "max_context": int, "right": float, "kv_bytes": int}
 
 
 def parse_synthetic_gen(spec: str) -> SyntheticGen:
@@ -276,6 +276,6 @@ def parse_synthetic_gen(spec: str) -> SyntheticGen:
     unknown = set(opts) - set(_OPTIONS)
     if unknown:
         raise ValueError(f"unknown synthetic-gen option(s) {sorted(unknown)}; known: {', '.join(_OPTIONS)}")
-    kwargs = {("per_token_ms" if k == "per_token" else "per_seq_ms" if k == "per_seq" else k): _OPTIONS[k](v)
-              for k, v in opts.items()}
+    names = {"per_token": "per_token_ms", "per_seq": "per_seq_ms", "kv_bytes": "kv_bytes_per_token"}
+    kwargs = {names.get(k, k): _OPTIONS[k](v) for k, v in opts.items()}
     return SyntheticGen(float(m["prefill"]), float(m["step"]), **kwargs)
