@@ -223,8 +223,8 @@ class StepEngine(GenEngine):
         """A parked sequence's KV (a copy) for a decode replica; its blocks go back. ReplicaLost when nothing is
         parked under ``ticket`` (pulled already, or freed after ``handover_timeout_s``)."""
         seq, table = self.parking.take(ticket)
-        try:
-            kv = await self.call(self.model.export_kv, table, len(seq.prompt_ids))
+        try:  # (off the model thread, which may be in a long prefill: no call writes a parked sequence's blocks)
+            kv = await asyncio.to_thread(self.model.export_kv, table, len(seq.prompt_ids))
         finally:
             self.parking.release(ticket)
         self.counters.kv_handed_out += 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -293,14 +294,21 @@ class PagedLM(TokenizerText):
 
     # -- the hand-over between replicas (labserver.engine.handover) ------------------------------------
     @torch.inference_mode()
-    def export_kv(self, table: Sequence[int], positions: int) -> torch.Tensor:
-        """A copy of the KV of a sequence's first ``positions`` positions (``PagedKV.gather``), on the CPU."""
-        return self.kv.gather(table, positions).cpu()
+    def export_kv(self, table: Sequence[int], positions: int) -> Any:
+        """A copy of the KV of a sequence's first ``positions`` positions (``PagedKV.gather``): a numpy array on the
+        CPU (Ray moves those without copying them; bfloat16's bits as int16, which numpy lacks)."""
+        kv = self.kv.gather(table, positions).cpu()
+        return (kv.view(torch.int16) if kv.dtype == torch.bfloat16 else kv).numpy()
 
     @torch.inference_mode()
-    def import_kv(self, sid: int, table: Sequence[int], start: int, end: int, kv: torch.Tensor) -> None:
+    def import_kv(self, sid: int, table: Sequence[int], start: int, end: int, kv: Any) -> None:
         """Write positions start..end - 1 of ``sid`` from a copy ``export_kv`` made (another replica's): from now on
         the sequence holds its cache as if it had been prefilled here."""
+        with warnings.catch_warnings():  # (Ray hands the copy over read-only; it is only read)
+            warnings.simplefilter("ignore", UserWarning)
+            kv = torch.as_tensor(kv)
+        if kv.dtype == torch.int16:  # (bfloat16's bits)
+            kv = kv.view(torch.bfloat16)
         self.kv.scatter(table, start, end, kv)
         self._live.add(sid)
 

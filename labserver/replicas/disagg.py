@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from ..engine.base import ReplicaLost
-from ..engine.counters import count
+from ..engine.counters import count, tally
 from ..engine.genbase import GenCounters
 from ..engine.handover import HANDOVER
 from ..engine.output import Done, Failed, Made, Placed, Pulled
@@ -68,6 +69,9 @@ class DisaggCounters(GenCounters):
                                      "no hand-over")
     decode_retries: int = count("Disaggregated: jobs sent to the decode pool again after a decode replica was lost "
                                 "before any token reached the client")
+    ttft_split_ms: Counter[str] = tally("Disaggregated: time to first token of the sequences handed over, summed by "
+                                        "part: queue (the ingress's and the prefill replica's), prefill, transfer "
+                                        "(the pull), decode (to the decode replica's admission)", "part")
 
 
 class _DecodeLost(Exception):
@@ -137,7 +141,10 @@ class DisaggEngine(BoardedEngine):
                         self.counters.kv_transfer_ms += ms
                         self.counters.kv_transfer_bytes += size
                     case Made():  # (its own prefill_ms is the hand-over's admission: the prefill replica's counts)
+                        first = not seq.tokens
                         self._made(seq, dataclasses.replace(event, prefill_ms=None))
+                        if first:
+                            self._split(seq)
                     case Done():
                         self._finish(seq, event)
                     case Failed(kind, message):
@@ -153,6 +160,16 @@ class DisaggEngine(BoardedEngine):
             if seq.tokens:
                 raise ReplicaLost(REPLICA_LOST)
             raise _DecodeLost
+
+
+    def _split(self, seq: Seq) -> None:
+        """Its time to first token, by part, into ``ttft_split_ms`` (the answer's ``timing`` has the same)."""
+        split = self.counters.ttft_split_ms
+        transfer = seq.transfer_ms if seq.transfer_ms == seq.transfer_ms else 0.0  # (NaN: not pulled)
+        split["queue"] += 1000 * (seq.admitted_s - seq.enqueued_s)
+        split["prefill"] += 1000 * (seq.prefilled_s - seq.admitted_s)
+        split["transfer"] += transfer
+        split["decode"] += 1000 * (seq.first_token_s - seq.prefilled_s) - transfer
 
 
 def core_groups(cores: list[int], replicas: int) -> list[list[int]]:
