@@ -27,7 +27,7 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["ARRANGEMENTS", "LiveConfig", "LiveRun", "arrangement_options", "run"]
+__all__ = ["ARRANGEMENTS", "LiveConfig", "LiveRun", "arrangement_options", "measured_costs", "run"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,3 +144,45 @@ def _tokenizer_folder(model: str) -> str | None:
         return str(folder())
     return model if Path(model).is_dir() else None
 
+
+def measured_costs(model: Any, *, threads: int = 1, prompts: tuple[int, ...] = (64, 256, 512),
+                   batches: tuple[int, ...] = (1, 4, 8, 16), context: int = 256, repeats: int = 3,
+                   **rest: Any) -> Any:
+    """``routing.pd.PDCosts`` from this machine: ``model`` (a loaded generator) timed alone with ``threads`` torch
+    threads, a prefill of each prompt length and a decode step of each batch at ``context`` positions a sequence
+    (the medians of ``repeats``); ``rest`` are PDCosts' other fields (the link, ``max_batch``)."""
+    import statistics
+
+    import torch
+
+    from ..models import Chunk
+    from ..routing.pd import PDCosts
+
+    def ms(chunks_of: Any, release: bool) -> float:
+        times = []
+        for _ in range(repeats):
+            chunks, t = chunks_of(), time.perf_counter()
+            model.forward(chunks)
+            times.append((time.perf_counter() - t) * 1000)
+            if release:
+                model.release([c.sid for c in chunks])
+        return statistics.median(times)
+
+    block = 16
+    per = -(-(max(max(prompts), context) + 1) // block)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model.allocate_kv(per * max(batches), block)
+        prefill = [(n, ms(lambda n=n: [Chunk(1, [100 + i % 900 for i in range(n)], 0, tuple(range(per)))], True))
+                   for n in prompts]
+        steps = []
+        for b in batches:
+            tables = [tuple(range(k * per, (k + 1) * per)) for k in range(b)]
+            model.forward([Chunk(k + 1, [100 + i % 900 for i in range(context)], 0, tables[k]) for k in range(b)])
+            steps.append((b, ms(lambda: [Chunk(k + 1, [7], context, tables[k], decode=True, prompt_len=context)
+                                         for k in range(b)], False)))
+            model.release(list(range(1, b + 1)))
+    finally:
+        torch.set_num_threads(before)
+    return PDCosts.from_measured(prefill, steps, kv_bytes_per_token=float(model.kv_bytes_per_token), **rest)
