@@ -233,3 +233,16 @@ def test_smollm2_handed_over_answers_as_one_engine_with_logprobs_seeds_and_stop_
     assert refs[2].finish_reason == "stop"
     assert [lp.token for lp in outs[0].logprobs] == outs[0].tokens
     assert [round(lp.logprob, 4) for lp in outs[0].logprobs] == [round(lp.logprob, 4) for lp in refs[0].logprobs]
+
+
+def test_the_shell_refuses_both_pool_flags_and_a_bad_split(capsys: pytest.CaptureFixture[str]) -> None:
+    from labserver.cli import main
+
+    assert main(["serve", "--strategy", "gen-continuous", "--model", "synthetic-gen:1+1", "--replicas", "2",
+                 "--disaggregate", "1:1"]) == 2
+    assert "--disaggregate P:D replaces --replicas N" in capsys.readouterr().err
+    for bad in ("1", "0:1", "1:x", "2:-1"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--strategy", "gen-continuous", "--disaggregate", bad])
+        assert exit_.value.code == 2
+        assert "give P:D, prefill and decode replicas, each at least 1" in capsys.readouterr().err

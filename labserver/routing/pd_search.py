@@ -11,14 +11,12 @@ of instances it is what one GPU is worth (per-instance goodput, the paper's figu
 
 ``best_split`` runs that search for every P:D with P + D = N (a coarser grid past N = 32,
 see ``default_splits``) and for the colocated baseline under both schedulers, and sorts
-the rows. What it shows with the default costs (a decode step barely grows with its batch;
-a long prefill costs a dozen steps): a decode-heavy workload wants few prefill instances
-and many decode ones (DistServe and Anyscale report 1:2, 1:3 and beyond for such
-workloads; here 1:7 at N = 8 and N = 32), a prefill-heavy one the reverse (7:1); and
-whether splitting beats colocating at all depends on the SLO. A tight TPOT with long
-prompts is where colocation fails (every prefill, chunked or not, lengthens the steps of
-the decodes beside it) and disaggregation wins by 2x per instance; with a loose TPOT,
-colocation's shared batches serve more.
+the rows. What decides the answer: how fast a decode step grows with its batch against
+what a long prefill costs, the workload's prompt and answer lengths, and the SLO (a tight
+TPOT beside long prompts is where colocation suffers: every prefill, chunked or not,
+lengthens the steps of the decodes beside it). DistServe and Anyscale report decode-heavy
+workloads wanting more decode instances than prefill ones (1:2, 1:3 and beyond);
+``benchmarks/disagg.py`` and notebook 14 print what this model finds for given costs.
 
 The search costs about ``probes x configurations`` simulations (10-60 ms each). For speed,
 ``capacity`` guesses each configuration's throughput from the costs alone, and the search
