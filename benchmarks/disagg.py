@@ -26,6 +26,10 @@ most goodput against colocated serving, under costs measured here (``--model`` a
 thread: ``experiments.disagg.measured_costs``) and under GPU-class costs that are assumed,
 not measured (``routing.pd.PDCosts``' defaults); the SLO of each is set from its costs
 (TTFT 5x an unloaded prefill of the workload's mean prompt, TPOT 3x an unloaded decode step).
+Then the prefill-heavy workload again under GPU-class costs with a decode instance's batch
+capped at 64, 8, 4 and 2 sequences (as a KV pool holding long contexts caps it).
+
+    python benchmarks/disagg.py --skip-live --out results/disagg/simulated.json   # the simulation alone, ~2 min
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ def live_rows(m: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any
 
 def simulated(args: argparse.Namespace) -> dict[str, Any]:
     gen = load_model(args.model, device="cpu", kind="generate")
-    costs = {"measured here": measured_costs(gen, threads=1, max_batch=32),
+    costs = {"measured here": measured_costs(gen, threads=1, max_batch=16),
              "GPU-class, assumed": PDCosts()}
     out: dict[str, Any] = {}
     for label, c in costs.items():
@@ -133,6 +137,19 @@ def simulated(args: argparse.Namespace) -> dict[str, Any]:
                 out[f"{label} | {workload.name} | {n}"] = {
                     "costs": vars(c), "slo": vars(slo), "best": vars(best), "colocated": vars(colo),
                     "rows": [vars(r) for r in report.rows], "seconds": report.seconds}
+    # where the difference from Anyscale's runs comes from: a decode instance's batch, capped (as a KV pool
+    # holding long contexts caps it), makes each request's decode cost more of an instance
+    n = int(args.instances.split(",")[0])
+    for cap in (64, 8, 4, 2):
+        c = PDCosts(max_batch=cap)
+        mean_prompt = float(np.mean(PREFILL_HEAVY.sample(4000, np.random.default_rng(0))[0]))
+        slo = SLO(5 * c.prefill_ms(mean_prompt), 3 * c.decode_step_ms(1))
+        print(f"simulated: GPU-class, prefill-heavy, {n} instances, batch <= {cap} ...", file=sys.stderr)
+        report = best_split(n, PREFILL_HEAVY, c, slo, n_requests=args.sim_requests or None)
+        colo = max((r for r in report.rows if r.decode == 0), key=lambda r: r.goodput)
+        out[f"GPU-class, assumed, a decode batch of at most {cap} | {PREFILL_HEAVY.name} | {n}"] = {
+            "costs": vars(c), "slo": vars(slo), "best": vars(report.best), "colocated": vars(colo),
+            "rows": [vars(r) for r in report.rows], "seconds": report.seconds}
     return out
 
 
@@ -174,10 +191,13 @@ def main() -> int:
     minutes = (datetime.now(timezone.utc) - began).total_seconds() / 60
     footer = (f"({minutes:.1f} min from {began.isoformat(timespec='seconds')}; load average {load_before:.2f} at the "
               f"start, {os.getloadavg()[0]:.2f} at the end, on {os.cpu_count()} cores)\n"
-              f"live: {args.model} on gen-continuous, greedy, {args.requests} requests at {args.rate:g}/s, half "
-              f"{args.long_prompt}-token prompts answered in {args.short_answer} tokens, half {args.short_prompt}-token "
-              f"prompts answered in {args.long_answer}; colocated first, then disaggregated. simulated: a virtual "
-              "clock (labserver.routing.pd), goodput = the highest rate at which 90 % of requests meet the SLO.")
+              + ("no live run (--skip-live). " if args.skip_live else
+                 f"live: {args.model} on gen-continuous, greedy, {args.requests} requests at {args.rate:g}/s, half "
+                 f"{args.long_prompt}-token prompts answered in {args.short_answer} tokens, half "
+                 f"{args.short_prompt}-token prompts answered in {args.long_answer}; colocated first, then "
+                 "disaggregated. ") +
+              f"simulated: a virtual clock (labserver.routing.pd), costs measured here from {args.model} alone on one "
+              "thread (batches 1-16) or assumed; goodput = the highest rate at which 90 % of requests meet the SLO.")
     numbers["rows"] = rows
     write_results(args.out, numbers, rows, footer, width=100, result_last=True)
     return exit_status(args, numbers, rows, smoke_checks)
