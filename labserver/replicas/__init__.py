@@ -23,12 +23,14 @@ Ray is an optional extra (``pip install 'labserver[ray]'``; ``make`` installs it
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 import socket
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -62,7 +64,7 @@ class ReplicasHandle:
         at ``when`` (``labserver.replicas.deploy.Replica.fault``); Serve starts a new one in its place."""
         from ray import serve
 
-        serve.get_deployment_handle(pool, app_name=APP).fault.remote(when).result(timeout_s=30)
+        off_loop(lambda: serve.get_deployment_handle(pool, app_name=APP).fault.remote(when).result(timeout_s=30))
 
     @property
     def api_key(self) -> str | None:
@@ -102,7 +104,8 @@ class ReplicasHandle:
         from ray import serve
 
         try:
-            serve.get_app_handle(APP).drain.remote().result(timeout_s=self.config.drain_grace_s + 30)
+            off_loop(lambda: serve.get_app_handle(APP).drain.remote().result(
+                timeout_s=self.config.drain_grace_s + 30))
         except Exception as e:
             logger.warning("the ingress did not drain: %s", e)
 
@@ -111,6 +114,29 @@ class ReplicasHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def off_loop(call: Callable[[], Any]) -> Any:
+    """``call()`` where Ray lets a handle's ``result()`` block: on this thread, or on a helper thread when this one
+    runs an event loop (a Jupyter cell: Ray refuses to block a running loop)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return call()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["out"] = call()
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+
+    helper = threading.Thread(target=run, name="labserver-ray-call", daemon=True)
+    helper.start()
+    helper.join()
+    if "error" in box:
+        raise box["error"]
+    return box.get("out")
 
 
 def free_port(host: str) -> int:
