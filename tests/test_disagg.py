@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 
 import labserver  # noqa: E402
 from labserver import wire  # noqa: E402
-from labserver.replicas import ReplicasHandle, local_ray  # noqa: E402
+from labserver.replicas import ReplicasHandle, ray_session  # noqa: E402
 
 from .fakes import sse_events  # noqa: E402
 
@@ -32,16 +32,10 @@ MODEL = f"synthetic-gen:20+5?kv_bytes={KV_BYTES}"
 
 @pytest.fixture(scope="module", autouse=True)
 def local() -> Iterator[None]:
-    """One local Ray on loopback for the module (each deployment joins it and leaves it running)."""
-    import logging
-
-    with local_ray("127.0.0.1") as node:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
-                 configure_logging=False, _node_ip_address=node)
-    try:
+    """One local Ray and Serve on loopback for the module (each deployment joins them, removing only its app)."""
+    with ray_session():
         yield
-    finally:
-        ray.shutdown()
+    assert not ray.is_initialized()
 
 
 def replica_stats(h: ReplicasHandle, role: str, until: Any = lambda s: True) -> dict[str, Any]:

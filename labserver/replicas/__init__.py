@@ -38,7 +38,7 @@ import httpx
 from ..config import ServerConfig
 from ..server.guard import is_loopback
 
-__all__ = ["APP", "ReplicasHandle", "serve_replicas"]
+__all__ = ["APP", "ReplicasHandle", "ray_session", "serve_replicas"]
 
 logger = logging.getLogger(__name__)
 APP = "labserver"  # the Serve application's name
@@ -235,6 +235,27 @@ def serve_replicas(config: ServerConfig, replicas: int | None = None, router: st
     except BaseException:
         ReplicasHandle("", config, total, router, started, started_serve).stop()
         raise
+
+
+@contextlib.contextmanager
+def ray_session(num_cpus: float = 4, host: str = "127.0.0.1") -> Iterator[None]:
+    """A local Ray and Serve for several deployments in turn (each ``serve_replicas`` inside joins them and removes
+    only its app); both stopped at the end. Ray started on loopback for a loopback ``host`` (``local_ray``)."""
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions
+
+    with local_ray(host) as node:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+                 configure_logging=False, _node_ip_address=node)
+    try:
+        serve.start(http_options=HTTPOptions(host=host, port=free_port(host)), logging_config={"log_level": "WARNING"})
+        yield
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
 
 
 @contextlib.contextmanager
