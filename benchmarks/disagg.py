@@ -35,13 +35,11 @@ capped at 64, 8, 4 and 2 sequences (as a KV pool holding long contexts caps it).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
-from genperf import Checks, exit_status, per, row, write_results
+from genperf import Checks, RunClock, exit_status, per, row, write_results
 
 from labserver.analysis.tokens import itl_ms
 from labserver.experiments.disagg import ARRANGEMENTS, LiveConfig, measured_costs, run
@@ -121,35 +119,31 @@ def live_rows(m: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any
     return rows
 
 
+def search(args: argparse.Namespace, label: str, workload: Any, c: PDCosts, n: int) -> dict[str, Any]:
+    """The best split of ``n`` instances against colocation, the SLO set from ``c`` (5x an unloaded prefill of the
+    workload's mean prompt, 3x an unloaded decode step)."""
+    mean_prompt = float(np.mean(workload.sample(4000, np.random.default_rng(0))[0]))
+    slo = SLO(5 * c.prefill_ms(mean_prompt), 3 * c.decode_step_ms(1))
+    print(f"simulated: {label}, {workload.name}, {n} instances ...", file=sys.stderr)
+    report = best_split(n, workload, c, slo, n_requests=args.sim_requests or None)
+    colo = max((r for r in report.rows if r.decode == 0), key=lambda r: r.goodput)  # (the better scheduler)
+    return {"costs": vars(c), "slo": vars(slo), "best": vars(report.best), "colocated": vars(colo),
+            "rows": [vars(r) for r in report.rows], "seconds": report.seconds}
+
+
 def simulated(args: argparse.Namespace) -> dict[str, Any]:
     gen = load_model(args.model, device="cpu", kind="generate")
     costs = {"measured here": measured_costs(gen, threads=1, max_batch=16),
              "GPU-class, assumed": PDCosts()}
-    out: dict[str, Any] = {}
-    for label, c in costs.items():
-        for workload in (PREFILL_HEAVY, DECODE_HEAVY):
-            mean_prompt = float(np.mean(workload.sample(4000, np.random.default_rng(0))[0]))
-            slo = SLO(5 * c.prefill_ms(mean_prompt), 3 * c.decode_step_ms(1))
-            for n in (int(x) for x in args.instances.split(",")):
-                print(f"simulated: {label}, {workload.name}, {n} instances ...", file=sys.stderr)
-                report = best_split(n, workload, c, slo, n_requests=args.sim_requests or None)
-                best, colo = report.best, max((r for r in report.rows if r.decode == 0), key=lambda r: r.goodput)
-                out[f"{label} | {workload.name} | {n}"] = {
-                    "costs": vars(c), "slo": vars(slo), "best": vars(best), "colocated": vars(colo),
-                    "rows": [vars(r) for r in report.rows], "seconds": report.seconds}
+    sizes = [int(x) for x in args.instances.split(",")]
+    out = {f"{label} | {w.name} | {n}": search(args, label, w, c, n)
+           for label, c in costs.items() for w in (PREFILL_HEAVY, DECODE_HEAVY) for n in sizes}
     # where the difference from Anyscale's runs comes from: a decode instance's batch, capped (as a KV pool
     # holding long contexts caps it), makes each request's decode cost more of an instance
-    n = int(args.instances.split(",")[0])
     for cap in (64, 8, 4, 2):
-        c = PDCosts(max_batch=cap)
-        mean_prompt = float(np.mean(PREFILL_HEAVY.sample(4000, np.random.default_rng(0))[0]))
-        slo = SLO(5 * c.prefill_ms(mean_prompt), 3 * c.decode_step_ms(1))
-        print(f"simulated: GPU-class, prefill-heavy, {n} instances, batch <= {cap} ...", file=sys.stderr)
-        report = best_split(n, PREFILL_HEAVY, c, slo, n_requests=args.sim_requests or None)
-        colo = max((r for r in report.rows if r.decode == 0), key=lambda r: r.goodput)
-        out[f"GPU-class, assumed, a decode batch of at most {cap} | {PREFILL_HEAVY.name} | {n}"] = {
-            "costs": vars(c), "slo": vars(slo), "best": vars(report.best), "colocated": vars(colo),
-            "rows": [vars(r) for r in report.rows], "seconds": report.seconds}
+        label = f"GPU-class, assumed, a decode batch of at most {cap}"
+        out[f"{label} | {PREFILL_HEAVY.name} | {sizes[0]}"] = search(args, label, PREFILL_HEAVY,
+                                                                      PDCosts(max_batch=cap), sizes[0])
     return out
 
 
@@ -158,9 +152,6 @@ def sim_rows(sims: dict[str, Any]) -> list[dict[str, Any]]:
     for key, s in sims.items():
         label, workload, n = key.split(" | ")
         best, colo, slo = s["best"], s["colocated"], s["slo"]
-        splits = sorted((r for r in s["rows"] if r["decode"]), key=lambda r: -r["goodput"])
-        if best["decode"] == 0 and splits:
-            best = splits[0]
         rows.append(row(f"simulated, {label}, {workload}, {n} instances: best P:D / colocated, goodput",
                         per(best["goodput"], colo["goodput"]), "(info)", None,
                         f"{best['label']} {best['goodput']:.2f} vs {colo['label']} {colo['goodput']:.2f} requests/s "
@@ -180,7 +171,7 @@ def main() -> int:
     for k, v in (SMOKE if args.smoke else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    began, load_before = datetime.now(timezone.utc), os.getloadavg()[0]
+    clock = RunClock()
     numbers: dict[str, Any] = {"args": vars(args), "machine": machine_info()}
     rows = []
     if not args.skip_live:
@@ -188,9 +179,7 @@ def main() -> int:
         rows += live_rows(numbers["live"], args)
     numbers["simulated"] = simulated(args)
     rows += sim_rows(numbers["simulated"])
-    minutes = (datetime.now(timezone.utc) - began).total_seconds() / 60
-    footer = (f"({minutes:.1f} min from {began.isoformat(timespec='seconds')}; load average {load_before:.2f} at the "
-              f"start, {os.getloadavg()[0]:.2f} at the end, on {os.cpu_count()} cores)\n"
+    footer = (clock.line() + "\n"
               + ("no live run (--skip-live). " if args.skip_live else
                  f"live: {args.model} on gen-continuous, greedy, {args.requests} requests at {args.rate:g}/s, half "
                  f"{args.long_prompt}-token prompts answered in {args.short_answer} tokens, half "

@@ -311,6 +311,22 @@ def exit_status(args: Any, numbers: dict[str, Any], rows: list[dict[str, Any]],
     return 0 if all(r["result"] != "FAIL" for r in rows) else 1
 
 
+class RunClock:
+    """When a benchmark began and the machine's load then; ``line()``: its footer's first line."""
+
+    def __init__(self) -> None:
+        from datetime import datetime, timezone
+
+        self.began, self.load_before = datetime.now(timezone.utc), os.getloadavg()[0]
+
+    def line(self) -> str:
+        from datetime import datetime, timezone
+
+        minutes = (datetime.now(timezone.utc) - self.began).total_seconds() / 60
+        return (f"({minutes:.1f} min from {self.began.isoformat(timespec='seconds')}; load average "
+                f"{self.load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on {os.cpu_count()} cores)")
+
+
 def per(a: float, b: float) -> float:
     """a / b, NaN where b is 0 (a run that measured nothing: its row FAILs, a smoke check names it)."""
     return a / b if b else math.nan

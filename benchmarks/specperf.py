@@ -30,14 +30,12 @@ rule at saturation >= 0.95x. ``--smoke`` runs everything tiny and judges only wh
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
-from genperf import Checks, exit_status, per, row, write_results
+from genperf import Checks, RunClock, exit_status, per, row, write_results
 
 from labserver.experiments.runs import machine_info
 from labserver.experiments.speculative import acceptance, closed_loop, one_at_a_time, spec_options, verify_cost
@@ -100,7 +98,7 @@ def main() -> int:
     for k, v in (SMOKE if args.smoke else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    began, load_before = datetime.now(timezone.utc), os.getloadavg()[0]
+    clock = RunClock()
     gen = load_model(args.model, device="cpu", kind="generate")
     texts = workloads(args)
     numbers: dict[str, Any] = {"args": vars(args), "machine": machine_info()}
@@ -138,9 +136,7 @@ def main() -> int:
     v = numbers["verify"]
     rows.append(row("any proposer, a verify step, 1 stream: 5 tokens / 1 token, ms", v["ratio"], "(info)", None,
                     f"{v['verify_ms']:.2f} vs {v['one_ms']:.2f} ms at a context of 160: what a rejected guess costs"))
-    minutes = (datetime.now(timezone.utc) - began).total_seconds() / 60
-    footer = (f"({minutes:.1f} min from {began.isoformat(timespec='seconds')}; load average {load_before:.2f} at the "
-              f"start, {os.getloadavg()[0]:.2f} at the end, on {os.cpu_count()} cores)\n"
+    footer = (clock.line() + "\n"
               f"{args.model} float32 on gen-continuous, greedy chat answers of at most {args.max_tokens} tokens; ngram: "
               "prompt lookup, k = 4, suffixes of 2 to 4 tokens; 1 stream: the same prompts one at a time to each "
               "server; saturation: closed-loop users for the window.")

@@ -9,6 +9,8 @@ Every answer is compared with the same request answered by one engine alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -24,6 +26,18 @@ PROMPTS = ["a b c d e f g h i j k", "a b c d e f g h z z", "q w e r t y", "a b c
 def engines(make: Any, n: int = 3, strategy: str = "gen-continuous", **limits: Any) -> list[StepEngine]:
     """n engines, each over a model ``make()`` returns."""
     return [StepEngine(make_strategy(strategy, Limits(**limits)), make()) for _ in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def started(*engines: StepEngine) -> AsyncIterator[None]:
+    """The engines' workers running for the block, stopped after it."""
+    for e in engines:
+        e.start()
+    try:
+        yield
+    finally:
+        for e in engines:
+            await e.stop()
 
 
 def synthetic() -> SyntheticGen:
@@ -42,9 +56,7 @@ async def through(prefill: StepEngine, decode: StepEngine, ids: list[int], n: in
 def test_handed_over_sequences_answer_as_one_engine_does_and_leave_no_block_behind() -> None:
     async def main() -> None:
         prefill, decode, alone = engines(synthetic, max_batch_size=8, prefix_cache=True, kv_block_tokens=4)
-        for e in (prefill, decode, alone):
-            e.start()
-        try:
+        async with started(prefill, decode, alone):
             for text in PROMPTS:
                 ids = prefill.model.encode(text)
                 ref = await alone.submit(ids, 12, ignore_eos=True).future
@@ -64,9 +76,6 @@ def test_handed_over_sequences_answer_as_one_engine_does_and_leave_no_block_behi
             for e in (prefill, decode):
                 e.blocks.check()
                 assert e.blocks.used == 0
-        finally:
-            for e in (prefill, decode, alone):
-                await e.stop()
 
     asyncio.run(main())
 
@@ -74,15 +83,12 @@ def test_handed_over_sequences_answer_as_one_engine_does_and_leave_no_block_behi
 def test_a_first_token_that_ends_the_answer_is_not_parked() -> None:
     async def main() -> None:
         prefill, _ = engines(lambda: SyntheticGen(0, 0, eos_after=1), 2)
-        prefill.start()
-        try:
+        async with started(prefill):
             ids = prefill.model.encode("one two three")
             eos = await prefill.submit(ids, 8, hand_over=True).future
             one = await prefill.submit(ids, 1, hand_over=True, ignore_eos=True).future
             assert (eos.finish_reason, one.finish_reason) == ("eos", "length")
             assert len(prefill.parking) == 0 and prefill.blocks.used == 0
-        finally:
-            await prefill.stop()
 
     asyncio.run(main())
 
@@ -90,8 +96,7 @@ def test_a_first_token_that_ends_the_answer_is_not_parked() -> None:
 def test_kv_never_pulled_is_freed_after_the_timeout_and_a_late_pull_is_refused() -> None:
     async def main() -> None:
         (prefill,) = engines(synthetic, 1, handover_timeout_s=0.05)
-        prefill.start()
-        try:
+        async with started(prefill):
             seq = await prefill.submit(prefill.model.encode("x y z"), 5, hand_over=True, ignore_eos=True).future
             assert prefill.blocks.used == 1
             expired = asyncio.get_running_loop().create_future()
@@ -100,8 +105,6 @@ def test_kv_never_pulled_is_freed_after_the_timeout_and_a_late_pull_is_refused()
             assert prefill.blocks.used == 0 and prefill.stats()["kv_handovers_expired"] == 1
             with pytest.raises(ReplicaLost, match="no longer holds"):
                 await prefill.pull(seq.sid)
-        finally:
-            await prefill.stop()
 
     asyncio.run(main())
 
@@ -109,14 +112,11 @@ def test_kv_never_pulled_is_freed_after_the_timeout_and_a_late_pull_is_refused()
 def test_a_pull_is_served_once() -> None:
     async def main() -> None:
         (prefill,) = engines(synthetic, 1)
-        prefill.start()
-        try:
+        async with started(prefill):
             seq = await prefill.submit(prefill.model.encode("x y z"), 5, hand_over=True, ignore_eos=True).future
             await prefill.pull(seq.sid)
             with pytest.raises(ReplicaLost):
                 await prefill.pull(seq.sid)
-        finally:
-            await prefill.stop()
 
     asyncio.run(main())
 
@@ -127,9 +127,7 @@ def test_a_handed_over_sequence_preempted_on_the_decode_side_is_recomputed_and_l
     async def main() -> None:
         prefill, decode, alone = engines(lambda: SyntheticGen(0, 1), strategy="gen-paged", max_batch_size=3,
                                          max_kv_tokens=48, kv_block_tokens=4)
-        for e in (prefill, decode, alone):
-            e.start()
-        try:
+        async with started(prefill, decode, alone):
             prompts = [prefill.model.encode(f"p{k} a b c d e") for k in range(3)]
             refs = await asyncio.gather(*(alone.submit(ids, 16, ignore_eos=True).future for ids in prompts))
             outs = await asyncio.gather(*(through(prefill, decode, ids, 16, ignore_eos=True) for ids in prompts))
@@ -137,9 +135,6 @@ def test_a_handed_over_sequence_preempted_on_the_decode_side_is_recomputed_and_l
             assert decode.stats()["preemptions"] >= 1 and decode.stats()["recomputed_tokens"] > 0
             decode.blocks.check()
             assert decode.blocks.used == 0 and prefill.blocks.used == 0
-        finally:
-            for e in (prefill, decode, alone):
-                await e.stop()
 
     asyncio.run(main())
 
@@ -147,9 +142,7 @@ def test_a_handed_over_sequence_preempted_on_the_decode_side_is_recomputed_and_l
 def test_a_hand_over_that_does_not_fit_the_decode_model_fails_alone() -> None:
     async def main() -> None:
         prefill, decode = engines(synthetic, 2, max_batch_size=4)
-        for e in (prefill, decode):
-            e.start()
-        try:
+        async with started(prefill, decode):
             ids = prefill.model.encode("a b c d e f")
             parked = await prefill.submit(ids, 6, hand_over=True, ignore_eos=True).future
             handed = await prefill.pull(parked.sid)
@@ -161,9 +154,6 @@ def test_a_hand_over_that_does_not_fit_the_decode_model_fails_alone() -> None:
             assert len((await good.future).tokens) == 4
             decode.blocks.check()
             assert decode.blocks.used == 0
-        finally:
-            for e in (prefill, decode):
-                await e.stop()
 
     asyncio.run(main())
 
@@ -203,18 +193,13 @@ def test_smollm2_handed_over_answers_as_one_engine_with_logprobs_seeds_and_stop_
 
     async def alone() -> list[Any]:
         (e,) = engines(lambda: model_p, 1, **kw)
-        e.start()
-        try:
+        async with started(e):
             return [await e.submit(ids, 12, sampling=s, stop=stop, ignore_eos=True).future for s, stop in asks]
-        finally:
-            await e.stop()
 
     async def disaggregated() -> list[Any]:
         prefill = StepEngine(make_strategy("gen-continuous", Limits(**kw)), model_p)
         decode = StepEngine(make_strategy("gen-continuous", Limits(**kw)), model_d)
-        for e in (prefill, decode):
-            e.start()
-        try:
+        async with started(prefill, decode):
             outs = [await through(prefill, decode, ids, 12, sampling=s, stop=stop, ignore_eos=True)
                     for s, stop in asks]
             assert decode.stats()["cached_tokens"] >= 2 * 16 and decode.stats()["prefill_calls"] == 0
@@ -223,9 +208,6 @@ def test_smollm2_handed_over_answers_as_one_engine_with_logprobs_seeds_and_stop_
                 e.blocks.check()
                 assert e.blocks.used == 0
             return outs
-        finally:
-            for e in (prefill, decode):
-                await e.stop()
 
     refs, outs = asyncio.run(alone()), asyncio.run(disaggregated())
     for ref, out in zip(refs, outs, strict=True):

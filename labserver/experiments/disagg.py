@@ -20,7 +20,6 @@ run with ``users`` users after it gives the throughput at saturation.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +27,6 @@ from typing import Any
 import pandas as pd
 
 __all__ = ["ARRANGEMENTS", "LiveConfig", "LiveRun", "arrangement_options", "measured_costs", "run"]
-
-logger = logging.getLogger(__name__)
 
 ARRANGEMENTS = ("colocated", "disaggregated")
 COUNTED = ("kv_transfers", "kv_transfer_bytes", "kv_transfer_ms", "answered_by_prefill", "decode_retries")

@@ -119,17 +119,16 @@ class PagedKV:
             k.index_copy_(0, slots, part[layer, 0])
             v.index_copy_(0, slots, part[layer, 1])
 
-    def _checked(self, table: Sequence[int], start: int, end: int) -> list[int]:
+    def _checked(self, table: Sequence[int], start: int, end: int, whose: str = "") -> list[int]:
+        """The slots of positions start..end - 1 of ``table``, the table checked against the pool first."""
         if len(table) * self.block_tokens < end or any(not 0 <= x < self.blocks for x in table):
-            raise ModelError(f"blocks {list(table)} do not hold positions 0..{end - 1} in a pool of {self.blocks}")
+            raise ModelError(f"{whose}blocks {list(table)} do not hold positions 0..{end - 1} in a pool of "
+                             f"{self.blocks}")
         return self.slots(table, start, end)
 
     def table_slots(self, c: Chunk) -> list[int]:
         """The slots of a chunk's positions 0..end - 1, its table checked against the pool first."""
-        if len(c.blocks) * self.block_tokens < c.end or any(not 0 <= x < self.blocks for x in c.blocks):
-            raise ModelError(f"sequence {c.sid}: blocks {list(c.blocks)} do not hold positions 0..{c.end - 1} "
-                             f"in a pool of {self.blocks}")
-        return self.slots(c.blocks, 0, c.end)
+        return self._checked(c.blocks, 0, c.end, f"sequence {c.sid}: ")
 
     def plan(self, chunks: Sequence[Chunk]) -> CallPlan:
         """Check each chunk's table against the pool and turn positions into slots."""

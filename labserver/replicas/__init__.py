@@ -193,9 +193,7 @@ def serve_replicas(config: ServerConfig, replicas: int | None = None, router: st
     if ray.is_initialized():  # this process already runs Ray (a notebook, a benchmark): join it, leave it running
         pass
     elif ray_address is None:
-        with local_ray(config.host) as node:
-            ray.init(num_cpus=num_cpus or total + 1, include_dashboard=False, log_to_driver=False,
-                     logging_level=logging.WARNING, configure_logging=False, _node_ip_address=node)
+        start_local_ray(config.host, num_cpus or total + 1)
         started = True
     else:
         ray.init(address=ray_address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False)
@@ -245,9 +243,7 @@ def ray_session(num_cpus: float = 4, host: str = "127.0.0.1") -> Iterator[None]:
     from ray import serve
     from ray.serve.config import HTTPOptions
 
-    with local_ray(host) as node:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
-                 configure_logging=False, _node_ip_address=node)
+    start_local_ray(host, num_cpus)
     try:
         serve.start(http_options=HTTPOptions(host=host, port=free_port(host)), logging_config={"log_level": "WARNING"})
         yield
@@ -256,6 +252,15 @@ def ray_session(num_cpus: float = 4, host: str = "127.0.0.1") -> Iterator[None]:
             serve.shutdown()
         finally:
             ray.shutdown()
+
+
+def start_local_ray(host: str, num_cpus: float) -> None:
+    """A local Ray of ``num_cpus`` logical CPUs, quiet, on loopback for a loopback ``host`` (``local_ray``)."""
+    import ray
+
+    with local_ray(host) as node:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+                 configure_logging=False, _node_ip_address=node)
 
 
 @contextlib.contextmanager

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -165,7 +166,7 @@ class DisaggEngine(BoardedEngine):
     def _split(self, seq: Seq) -> None:
         """Its time to first token, by part, into ``ttft_split_ms`` (the answer's ``timing`` has the same)."""
         split = self.counters.ttft_split_ms
-        transfer = seq.transfer_ms if seq.transfer_ms == seq.transfer_ms else 0.0  # (NaN: not pulled)
+        transfer = 0.0 if math.isnan(seq.transfer_ms) else seq.transfer_ms  # (NaN: not pulled)
         split["queue"] += 1000 * (seq.admitted_s - seq.enqueued_s)
         split["prefill"] += 1000 * (seq.prefilled_s - seq.admitted_s)
         split["transfer"] += transfer
