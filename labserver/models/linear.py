@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Dense", "GROUP", "Int4", "ONEDNN_ROWS", "biases", "onednn_linear", "onednn_packs", "onednn_weight",
+__all__ = ["Dense", "GROUP", "Int4", "ONEDNN_ROWS", "WIDE_ROWS", "native_bf16", "biases", "onednn_linear", "onednn_packs", "onednn_weight",
            "out_in", "q4_1_blocks", "rows_first", "side_by_side"]
 
 GROUP = 32  # weights per Q4_1 block (one scale and one minimum each)
@@ -39,6 +39,7 @@ GROUP = 32  # weights per Q4_1 block (one scale and one minimum each)
 
 ROWS_FIRST = (torch.float16, torch.bfloat16)  # dtypes whose CPU matmul reads [out, in] fastest
 ONEDNN_ROWS = 32  # the batch oneDNN lays a weight out for: as fast as a layout for 1 at one row, 1.5x at 32
+WIDE_ROWS = 2  # from this many rows a float16 projection on a CPU multiplies through its float32 copy (see Dense)
 
 
 def rows_first(dtype: torch.dtype) -> bool:
@@ -46,10 +47,31 @@ def rows_first(dtype: torch.dtype) -> bool:
     return dtype in ROWS_FIRST
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in its own instructions (AVX512-BF16 or AMX), which oneDNN's bfloat16
+    kernels use: read from ``/proc/cpuinfo`` (elsewhere: no)."""
+    global _NATIVE_BF16
+    if _NATIVE_BF16 is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        except OSError:
+            flags = []
+        _NATIVE_BF16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    return _NATIVE_BF16
+
+
+_NATIVE_BF16: bool | None = None
+
+
 def onednn_packs(weight: torch.Tensor) -> bool:
-    """Whether ``Dense`` multiplies by this weight through oneDNN: float32 on a CPU, where torch has oneDNN."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """Whether ``Dense`` multiplies by this weight through oneDNN: float32 on a CPU where torch has oneDNN, and
+    bfloat16 where the CPU also multiplies it natively (``native_bf16``)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_bf16())
 
 
 def _conv1d(module: Any) -> bool:
@@ -69,7 +91,7 @@ def _stacked(modules: Any) -> torch.Tensor:
 
 
 def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 ``[out, in]`` weight reordered once into oneDNN's layout for ``ONEDNN_ROWS`` rows."""
+    """A float32 or bfloat16 ``[out, in]`` weight reordered once into oneDNN's layout for ``ONEDNN_ROWS`` rows."""
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_ROWS)
 
@@ -140,10 +162,14 @@ class Dense:
             self.rows = rows_first(self.weight.dtype)  # [out, in]: F.linear; else [in, out]: x @ W
             self.shape = tuple(self.weight.shape) if self.rows else tuple(self.weight.shape[::-1])
         self.itemsize = first.element_size()
+        self.wide: tuple[torch.Tensor, torch.Tensor | None] | None = None  # float16: a float32 copy for WIDE_ROWS+
+        if first.dtype == torch.float16 and onednn_packs(first.float()[:1]):
+            self.wide = (onednn_weight(self.weight.float()),
+                         None if self.bias is None else self.bias.float())
 
     @property
     def nbytes(self) -> int:
-        """Bytes a multiplication reads: the weight (and bias)."""
+        """Bytes a multiplication of one row reads: the weight (and bias)."""
         return self.shape[0] * self.shape[1] * self.itemsize + _nbytes(self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,6 +177,11 @@ class Dense:
             if torch.compiler.is_compiling():
                 return _onednn_linear(x, self.weight, self.bias)
             return onednn_linear(x, self.weight, self.bias)
+        if self.wide is not None and x.numel() >= WIDE_ROWS * x.shape[-1]:
+            w, b = self.wide
+            if torch.compiler.is_compiling():
+                return _onednn_linear(x.float(), w, b).to(x.dtype)
+            return onednn_linear(x.float(), w, b).to(x.dtype)
         if self.rows:
             return F.linear(x, self.weight, self.bias)
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
