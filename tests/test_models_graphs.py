@@ -114,5 +114,8 @@ def test_a_compiled_step_of_one_sequence_equals_the_eager_step(folders: dict[str
         assert httpx.post(h.url + "/generate", json=body, timeout=60).json()["tokens"] == want
         assert steps.replays == 39  # every decode step of one sequence went through the compiled code
         assert not steps.fits([Chunk(1, [5], 9, (0,)), Chunk(2, [5], 9, (1,))])  # two: eager
+        assert steps.checked  # (the guards ran once; the later steps skipped them)
+    compiled.allocate_kv(8, 16)
+    assert not steps.checked  # a pool made again: the next step checks every guard
     with pytest.raises(ModelLoadError, match="choose one"):
         labserver.serve("gen-continuous", "gpt2-tiny-random", device="cpu", compile=True, cuda_graphs=True)

@@ -275,20 +275,24 @@ def test_float32_multiplies_through_onednn_beside_transformers_own_weights(model
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_lays_the_weights_side_by_side_and_holds_each_once(dtype: torch.dtype) -> None:
-    """float16 and bfloat16: one [sum of outs, in] tensor of which each module's weight (nn.Linear, or GPT-2's
-    Conv1D stored [in, out]) becomes a view; one matmul computes what each module computes."""
+def test_half_precision_lays_the_weights_side_by_side(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float16 and bfloat16 (without oneDNN for it): one [sum of outs, in] tensor of which each module's weight
+    (nn.Linear, or GPT-2's Conv1D stored [in, out]) becomes a view; one matmul computes what each module computes.
+    (float16 also keeps a float32 copy for several rows: the next test.)"""
     from transformers.pytorch_utils import Conv1D
 
+    from labserver.models import linear
     from labserver.models.linear import Dense
 
     torch.manual_seed(0)
     q, k = torch.nn.Linear(64, 64, bias=False).to(dtype), torch.nn.Linear(64, 32, bias=False).to(dtype)
     conv = Conv1D(48, 64).to(dtype)
-    x = torch.randn(2, 64, dtype=dtype)
+    x = torch.randn(1, 64, dtype=dtype)  # (one row: float16's own kernel, not its float32 copy)
     with torch.inference_mode():
         expected = [q(x), k(x), conv(x)]
-        both, alone = Dense(q, k), Dense(conv)
+        with monkeypatch.context() as m:
+            m.setattr(linear, "_NATIVE_BF16", False)  # (a CPU without bfloat16 instructions: no oneDNN for it)
+            both, alone = Dense(q, k), Dense(conv)
         assert not both.onednn and both.weight.shape == (96, 64) and both.weight.is_contiguous()
         assert q.weight.untyped_storage().data_ptr() == k.weight.untyped_storage().data_ptr() \
             == both.weight.untyped_storage().data_ptr()
@@ -296,6 +300,28 @@ def test_half_precision_lays_the_weights_side_by_side_and_holds_each_once(dtype:
         assert torch.equal(both(x), torch.cat(expected[:2], 1)) and torch.equal(q(x), expected[0])
         assert torch.equal(alone(x), conv(x))  # Conv1D's own addmm, now on the [out, in] memory
         assert torch.allclose(conv(x), expected[2], atol=2e-2)  # (another kernel: the last bits of a half may move)
+
+
+def test_float16_multiplies_several_rows_through_a_float32_copy() -> None:
+    """float16 on a CPU: one row through its own [out, in] weights (the memory's pace), two or more through a
+    float32 copy in oneDNN's layout (float16's kernel multiplies row after row, ~30x slower at 32 rows); both
+    within float16's rounding of the same product in float32."""
+    from labserver.models.linear import WIDE_ROWS, Dense, onednn_packs
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96).to(torch.float16)
+    dense = Dense(lin)
+    if not onednn_packs(torch.zeros(1)):
+        assert dense.wide is None
+        return
+    w, b = dense.wide
+    assert w.is_mkldnn and b is not None and b.dtype == torch.float32
+    assert dense.weight.dtype == torch.float16 and dense.nbytes == (96 * 64 + 96) * 2  # a step of one reads these
+    for rows in (1, WIDE_ROWS, 32):
+        x = torch.randn(rows, 64, dtype=torch.float16)
+        with torch.inference_mode():
+            got, want = dense(x), torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+        assert got.dtype == torch.float16 and torch.allclose(got.float(), want, rtol=2e-3, atol=2e-3)
 
 
 def test_smollm2_q4_runs_the_gguf_blocks_and_says_it_may_differ(model: Any) -> None:

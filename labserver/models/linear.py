@@ -10,10 +10,17 @@ faster, each a projection object called as ``proj(x)``:
   for a batch of ``ONEDNN_ROWS`` rows, then multiplied without the per-call repacking torch's
   default matmul does, about 2x faster at 16 to 32 rows and 1.2x at one (``benchmarks/roofline.py``
   prints it). That copy is held beside the module's own weight, which transformers still
-  computes with: float32 on a CPU holds its projections twice. float16 and bfloat16 (and
-  float32 without oneDNN) lay the modules' weights out side by side instead (``side_by_side``),
-  nothing held twice: float16 and bfloat16 ``[out, in]`` (``linear(x, W)``: their kernels
-  read the transpose up to 10x slower), float32 ``[in, out]`` (``x @ W``). Exact: greedy
+  computes with: float32 on a CPU holds its projections twice. bfloat16 goes to oneDNN the
+  same way where the CPU multiplies it in its own instructions (``native_bf16``: AVX512-BF16
+  or AMX; 2.4x torch's own bfloat16 kernel at one row, measured on such a CPU). The others
+  lay the modules' weights out side by side instead (``side_by_side``): float16 and bfloat16
+  ``[out, in]`` (``linear(x, W)``: their kernels read the transpose up to 10x slower),
+  float32 without oneDNN ``[in, out]`` (``x @ W``). float16's CPU kernel reads one row at
+  the memory's pace but multiplies several rows one after another (32 rows ~28x one), so a
+  float16 projection on a CPU also keeps a float32 copy in oneDNN's layout (its weights
+  widened exactly) for calls of ``WIDE_ROWS`` rows or more: a prompt, a batch. Its inputs
+  are widened, its sums float32 as float16's kernel's are, its outputs rounded back to
+  float16: the float16 model's own arithmetic, 3x its weights' bytes held. Exact: greedy
   answers equal transformers' but at near-ties, as any change of summation order may
   (``benchmarks/onestream.py`` counts them).
 - ``Int4``: a GGUF's Q4_1 blocks as they are (32 weights share a scale ``d`` and a minimum
