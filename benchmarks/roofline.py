@@ -24,8 +24,9 @@ one run, on the model labserver serves (``--model``, default ``smollm2``):
    rate at which the matmuls read the weights, beside the machine's read bandwidth;
 5. **the same products alone**, on the model's own weights in three layouts (as stored,
    ``linear(x, W)``; transposed once, ``x @ W.T`` contiguous; oneDNN's own, reordered once, which
-   labserver multiplies float32 with on a CPU), the layers' and the output head's, at one row and at
-   32 rows: ms each, and GB/s read at one row.
+   labserver multiplies float32 with on a CPU; for a float16 model, ``widened``: its float32 copy in
+   oneDNN's layout, which labserver multiplies several rows with), the layers' and the output head's,
+   at one row and at 32 rows: ms each, and GB/s read at one row.
 
 INFO throughout: it states a floor, it sets no goal.
 """
@@ -47,7 +48,8 @@ from labserver.models import load_model  # noqa: E402
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2",
+                   help="a generative model, NAME:DTYPE for another dtype (smollm2:float16)")
     p.add_argument("--batches", default="1,16,32")
     p.add_argument("--context", type=int, default=64, help="tokens each sequence holds at the step")
     p.add_argument("--steps", type=int, default=20)
@@ -61,7 +63,8 @@ def main() -> int:
     if args.smoke:
         args.model, args.batches, args.steps, args.repeats = "gpt2-tiny-random", "1,4", 3, 2
         args.bandwidth_mb, args.matmul_n, args.context = 64, 256, 16
-    gen = load_model(args.model, device="cpu", kind="generate")
+    name, _, dtype = args.model.partition(":")  # (NAME:DTYPE: smollm2:float16)
+    gen = load_model(name, device="cpu", kind="generate", dtype=dtype or "auto")
     m = machine(args.bandwidth_mb, args.repeats, args.matmul_n)
     w = weights(gen)
     kv = gen.kv_bytes_per_token
@@ -104,7 +107,7 @@ def main() -> int:
     one, many = lay[1], lay[32]
     print("\nthe same products alone, ms (GB/s read at one row), on the layers' weights and on the output head:")
     print("| layout | layers, 1 row | head, 1 row | layers, 32 rows | head, 32 rows |\n|---|---|---|---|---|")
-    for kind in ("linear", "transposed", "onednn"):
+    for kind in ("linear", "transposed", "onednn", "widened"):
         if f"layers_{kind}_ms" in one:
             print(f"| {kind} | {one[f'layers_{kind}_ms']:.2f} ({one['layers_mb'] / one[f'layers_{kind}_ms']:.1f}) | "
                   f"{one[f'head_{kind}_ms']:.2f} ({one['head_mb'] / one[f'head_{kind}_ms']:.1f}) | "

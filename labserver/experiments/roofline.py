@@ -183,8 +183,11 @@ def layouts(gen: Any, repeats: int, rows: int = 1) -> dict[str, float]:
     """``rows`` sequences' products with the model's own weights in three layouts, ms each (the median of
     ``repeats``): ``linear`` (``linear(x, W)``, W as transformers stores it, ``[out, in]``), ``transposed``
     (``x @ Wt``, its transpose made contiguous once) and ``onednn`` (W reordered once into oneDNN's own layout for
-    ``ONEDNN_ROWS`` rows, float32 on a CPU only: what ``Dense`` multiplies with there); for the layers' weights,
-    cycled through so they come from memory as in a step, and for the output head. Also the MB each reads."""
+    ``ONEDNN_ROWS`` rows, float32 on a CPU only, and bfloat16 on a CPU that multiplies it natively: what ``Dense``
+    multiplies with there) and, for float16 on a CPU, ``widened`` (a float32 copy in oneDNN's layout, its inputs
+    widened and its outputs rounded back: what ``Dense`` multiplies ``WIDE_ROWS`` or more rows with); for the
+    layers' weights, cycled through so they come from memory as in a step, and for the output head. Also the MB
+    each reads (as stored)."""
     import torch.nn.functional as F
 
     from ..models.linear import onednn_linear, onednn_packs, onednn_weight, out_in
@@ -200,6 +203,8 @@ def layouts(gen: Any, repeats: int, rows: int = 1) -> dict[str, float]:
                              "transposed": (lambda w: w.t().contiguous(), lambda x, w: x @ w)}
     if onednn_packs(head):
         kinds["onednn"] = (onednn_weight, onednn_linear)
+    elif head.dtype == torch.float16 and onednn_packs(head[:1].float()):
+        kinds["widened"] = (lambda w: onednn_weight(w.float()), lambda x, w: onednn_linear(x.float(), w).half())
     with torch.inference_mode():
         for kind, (lay, mul) in kinds.items():
             held = [(lay(w), xs[w.shape[1]]) for w in layers]
