@@ -291,7 +291,7 @@ def test_half_precision_lays_the_weights_side_by_side(dtype: torch.dtype, monkey
     with torch.inference_mode():
         expected = [q(x), k(x), conv(x)]
         with monkeypatch.context() as m:
-            m.setattr(linear, "_NATIVE_BF16", False)  # (a CPU without bfloat16 instructions: no oneDNN for it)
+            m.setattr(linear, "native_bf16", lambda: False)  # (a CPU without bfloat16 instructions: no oneDNN)
             both, alone = Dense(q, k), Dense(conv)
         assert not both.onednn and both.weight.shape == (96, 64) and both.weight.is_contiguous()
         assert q.weight.untyped_storage().data_ptr() == k.weight.untyped_storage().data_ptr() \
@@ -306,12 +306,12 @@ def test_float16_multiplies_several_rows_through_a_float32_copy() -> None:
     """float16 on a CPU: one row through its own [out, in] weights (the memory's pace), two or more through a
     float32 copy in oneDNN's layout (float16's kernel multiplies row after row, ~30x slower at 32 rows); both
     within float16's rounding of the same product in float32."""
-    from labserver.models.linear import WIDE_ROWS, Dense, onednn_packs
+    from labserver.models.linear import WIDE_ROWS, Dense, widens
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(64, 96).to(torch.float16)
     dense = Dense(lin)
-    if not onednn_packs(torch.zeros(1)):
+    if not widens(lin.weight):
         assert dense.wide is None
         return
     w, b = dense.wide

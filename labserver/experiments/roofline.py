@@ -190,7 +190,7 @@ def layouts(gen: Any, repeats: int, rows: int = 1) -> dict[str, float]:
     each reads (as stored)."""
     import torch.nn.functional as F
 
-    from ..models.linear import onednn_linear, onednn_packs, onednn_weight, out_in
+    from ..models.linear import onednn_linear, onednn_packs, onednn_weight, out_in, widens
 
     hf = gen.hf_model
     head = hf.get_output_embeddings().weight.detach()
@@ -203,7 +203,7 @@ def layouts(gen: Any, repeats: int, rows: int = 1) -> dict[str, float]:
                              "transposed": (lambda w: w.t().contiguous(), lambda x, w: x @ w)}
     if onednn_packs(head):
         kinds["onednn"] = (onednn_weight, onednn_linear)
-    elif head.dtype == torch.float16 and onednn_packs(head[:1].float()):
+    elif widens(head):
         kinds["widened"] = (lambda w: onednn_weight(w.float()), lambda x, w: onednn_linear(x.float(), w).half())
     with torch.inference_mode():
         for kind, (lay, mul) in kinds.items():

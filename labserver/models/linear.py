@@ -16,7 +16,7 @@ faster, each a projection object called as ``proj(x)``:
   lay the modules' weights out side by side instead (``side_by_side``): float16 and bfloat16
   ``[out, in]`` (``linear(x, W)``: their kernels read the transpose up to 10x slower),
   float32 without oneDNN ``[in, out]`` (``x @ W``). float16's CPU kernel reads one row at
-  the memory's pace but multiplies several rows one after another (32 rows ~28x one), so a
+  the memory's pace but multiplies several rows one after another (32 rows ~26x one), so a
   float16 projection on a CPU also keeps a float32 copy in oneDNN's layout (its weights
   widened exactly) for calls of ``WIDE_ROWS`` rows or more: a prompt, a batch. Its inputs
   are widened, its sums float32 as float16's kernel's are, its outputs rounded back to
@@ -34,12 +34,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import functools
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Dense", "GROUP", "Int4", "ONEDNN_ROWS", "WIDE_ROWS", "native_bf16", "biases", "onednn_linear", "onednn_packs", "onednn_weight",
-           "out_in", "q4_1_blocks", "rows_first", "side_by_side"]
+__all__ = ["Dense", "GROUP", "Int4", "ONEDNN_ROWS", "WIDE_ROWS", "biases", "native_bf16", "onednn_linear",
+           "onednn_packs", "onednn_weight", "out_in", "q4_1_blocks", "rows_first", "side_by_side", "widens"]
 
 GROUP = 32  # weights per Q4_1 block (one scale and one minimum each)
 
@@ -54,31 +56,35 @@ def rows_first(dtype: torch.dtype) -> bool:
     return dtype in ROWS_FIRST
 
 
+@functools.cache
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 in its own instructions (AVX512-BF16 or AMX), which oneDNN's bfloat16
     kernels use: read from ``/proc/cpuinfo`` (elsewhere: no)."""
-    global _NATIVE_BF16
-    if _NATIVE_BF16 is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-        except OSError:
-            flags = []
-        _NATIVE_BF16 = "avx512_bf16" in flags or "amx_bf16" in flags
-    return _NATIVE_BF16
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-_NATIVE_BF16: bool | None = None
+def _onednn_here(weight: torch.Tensor) -> bool:
+    """A CPU tensor, and a torch with oneDNN's linear."""
+    return (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
     """Whether ``Dense`` multiplies by this weight through oneDNN: float32 on a CPU where torch has oneDNN, and
     bfloat16 where the CPU also multiplies it natively (``native_bf16``)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        return False
-    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and native_bf16())
+    return _onednn_here(weight) and (weight.dtype == torch.float32
+                                     or (weight.dtype == torch.bfloat16 and native_bf16()))
+
+
+def widens(weight: torch.Tensor) -> bool:
+    """Whether ``Dense`` multiplies ``WIDE_ROWS`` or more rows by this weight through a float32 copy in oneDNN's
+    layout: float16 on a CPU where torch has oneDNN."""
+    return weight.dtype == torch.float16 and _onednn_here(weight)
 
 
 def _conv1d(module: Any) -> bool:
@@ -150,6 +156,13 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _through_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``onednn_linear``; under ``torch.compile``, the same as one opaque op."""
+    if torch.compiler.is_compiling():
+        return _onednn_linear(x, weight, bias)  # type: ignore[no-any-return]
+    return onednn_linear(x, weight, bias)
+
+
 class Dense:
     """Several linear modules of one input as one matmul, ``x W^T (+ bias)``: oneDNN's layout (float32 on a CPU) or
     the modules' weights side by side in their dtype's layout."""
@@ -170,9 +183,8 @@ class Dense:
             self.shape = tuple(self.weight.shape) if self.rows else tuple(self.weight.shape[::-1])
         self.itemsize = first.element_size()
         self.wide: tuple[torch.Tensor, torch.Tensor | None] | None = None  # float16: a float32 copy for WIDE_ROWS+
-        if first.dtype == torch.float16 and onednn_packs(first.float()[:1]):
-            self.wide = (onednn_weight(self.weight.float()),
-                         None if self.bias is None else self.bias.float())
+        if widens(first):
+            self.wide = (onednn_weight(self.weight.float()), None if self.bias is None else self.bias.float())
 
     @property
     def nbytes(self) -> int:
@@ -181,14 +193,9 @@ class Dense:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:
-            if torch.compiler.is_compiling():
-                return _onednn_linear(x, self.weight, self.bias)
-            return onednn_linear(x, self.weight, self.bias)
+            return _through_onednn(x, self.weight, self.bias)
         if self.wide is not None and x.numel() >= WIDE_ROWS * x.shape[-1]:
-            w, b = self.wide
-            if torch.compiler.is_compiling():
-                return _onednn_linear(x.float(), w, b).to(x.dtype)
-            return onednn_linear(x.float(), w, b).to(x.dtype)
+            return _through_onednn(x.float(), *self.wide).to(x.dtype)
         if self.rows:
             return F.linear(x, self.weight, self.bias)
         return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)

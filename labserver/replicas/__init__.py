@@ -28,7 +28,6 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,6 +35,7 @@ from typing import Any
 import httpx
 
 from ..config import ServerConfig
+from ..models.base import on_fresh_thread
 from ..server.guard import is_loopback
 
 __all__ = ["APP", "ReplicasHandle", "ray_session", "serve_replicas"]
@@ -123,20 +123,7 @@ def off_loop(call: Callable[[], Any]) -> Any:
         asyncio.get_running_loop()
     except RuntimeError:
         return call()
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["out"] = call()
-        except BaseException as e:  # handed to the caller below
-            box["error"] = e
-
-    helper = threading.Thread(target=run, name="labserver-ray-call", daemon=True)
-    helper.start()
-    helper.join()
-    if "error" in box:
-        raise box["error"]
-    return box.get("out")
+    return on_fresh_thread(call)
 
 
 def free_port(host: str) -> int:
