@@ -138,6 +138,7 @@ class SteppedGen:
         self.entered = threading.Semaphore(0)
         self.name, self.note, self.eos_id, self.max_context = "stepped", None, 0, 4096
         self.eos_ids, self.kv_bytes_per_token, self.paged, self.scores = (0,), 0, True, False
+        self.vocab_size = self.inner.vocab_size
         self.tokenizer = None
         self.calls: list[tuple[str, tuple[int, ...]]] = []
 

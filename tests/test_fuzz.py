@@ -70,7 +70,7 @@ def expected(path: str, body: bytes) -> int | Any:
         else:
             return 400
     for t in texts:
-        if not t.strip() or len(t) > MAX_CHARS or "\x00" in t or any(0xD800 <= ord(c) <= 0xDFFF for c in t):
+        if not t.strip() or len(t) > MAX_CHARS or any(0xD800 <= ord(c) <= 0xDFFF for c in t):
             return 400
     outs = [{"chars": len(t)} for t in texts]
     if path == "/":
@@ -276,7 +276,7 @@ def test_odd_unicode_reaches_the_tokenizer_safely(minilm: httpx.Client, text: st
     body = json.dumps({"inputs": text}).encode()  # lone surrogates travel as "\ud800" escapes
     r = minilm.post("/predict", content=body, headers=JSON)
     assert r.status_code < 500, r.text
-    valid = bool(text.strip()) and "\x00" not in text and not any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+    valid = bool(text.strip()) and not any(0xD800 <= ord(c) <= 0xDFFF for c in text)
     assert r.status_code == (200 if valid else 400), (text, r.text[:200])
     if valid:
         assert len(r.json()["output"]["embedding"]) == 384

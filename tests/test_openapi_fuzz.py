@@ -105,16 +105,18 @@ def honoured(raw: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's spec with its requests narrowed to what labserver honours; its answers as published.
 
     Drawn from the spec as published, most completions and embeddings requests ask for something
-    refused by design (``best_of``, ``suffix``, ``logit_bias``, token-id prompts, empty texts, field
-    names no client sends): 400s, tested in tests/test_server_openai.py. Drawn from this one, each
-    request is still valid for OpenAI's spec, and many are answered."""
+    refused by design (``best_of``, ``suffix``, ``logit_bias``, token ids outside the model's vocabulary,
+    empty texts, field names no client sends): 400s, tested in tests/test_server_openai.py. Drawn from this
+    one, each request is still valid for OpenAI's spec, and many are answered."""
     schemas = raw["components"]["schemas"]
     text = {"type": "string", "pattern": r"\S"}
     texts = {"oneOf": [text, {"type": "array", "minItems": 1, "maxItems": 4, "items": text}]}
+    ids = {"type": "array", "minItems": 1, "maxItems": 8, "items": {"type": "integer", "minimum": 0, "maximum": 999}}
     completion = schemas["CreateCompletionRequest"]
     for name in ("best_of", "suffix", "logit_bias"):
         del completion["properties"][name]
-    completion["properties"]["prompt"] = texts
+    completion["properties"]["prompt"] = {"oneOf": [*texts["oneOf"], ids,
+                                                    {"type": "array", "minItems": 1, "maxItems": 4, "items": ids}]}
     completion["additionalProperties"] = False
     schemas["CreateEmbeddingRequest"]["properties"]["input"] = texts
     return raw

@@ -112,6 +112,39 @@ def test_several_prompts_are_several_choices(gen: labserver.ServerHandle) -> Non
     assert texts == [c["text"] for c in whole["choices"]]
 
 
+def test_token_id_prompts_are_answered_as_their_text(gen: labserver.ServerHandle) -> None:
+    """vLLM's token-id prompts (lm-eval's local-completions sends them): one list of ids, or a list of such lists;
+    the same answer as the text they encode, the prompt counted as sent, echo showing its text."""
+    model = SyntheticGen(1, 0.5)
+    ids = [model.encode(t) for t in ("one two three", "four five")]
+    as_text = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH,
+                         json={"prompt": ["one two three", "four five"], "max_tokens": 5}).json()
+    for prompt in (ids[0], ids):
+        r = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": prompt, "max_tokens": 5, "echo": True})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        several = isinstance(prompt[0], list)
+        assert body["usage"]["prompt_tokens"] == (sum(map(len, ids)) if several else len(ids[0]))
+        for choice, expected, sent in zip(body["choices"], as_text["choices"], ids if several else [ids[0]]):
+            assert choice["text"] == model.text(sent) + expected["text"]  # echoed as its text, then the same answer
+    floats = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={"prompt": [float(t) for t in ids[1]],
+                                                                 "max_tokens": 5})
+    assert floats.json()["choices"][0]["text"] == as_text["choices"][1]["text"]  # (JSON's integer: 5.0 is 5)
+
+
+def test_a_nul_character_is_text_like_any_other(gen: labserver.ServerHandle) -> None:
+    """vLLM answers a prompt that holds NUL (``vllm bench serve``'s random prompts can): refused only what cannot be
+    tokenized (a lone surrogate)."""
+    for path, body in ((wire.V1_COMPLETIONS_PATH, {"prompt": "nul\x00inside", "max_tokens": 2}),
+                       (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "a\x00b"}], "max_tokens": 2}),
+                       (wire.GENERATE_PATH, {"prompt": "nul\x00inside", "max_new_tokens": 2})):
+        r = httpx.post(gen.url + path, json=body)
+        assert r.status_code == 200, (path, r.text)
+    lone = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, content=b'{"prompt": "a\\ud800", "max_tokens": 2}',
+                      headers={"content-type": "application/json"})
+    assert lone.status_code == 400 and "unpaired surrogate" in lone.json()["error"]["message"]
+
+
 def test_min_tokens_and_ignore_eos() -> None:
     with labserver.serve("gen-continuous", SyntheticGen(0, 0, eos_after=2)) as h:
         def n(**extra: Any) -> tuple[int, str]:
@@ -152,7 +185,12 @@ def test_ignored_fields_are_accepted_named_and_logged(gen: labserver.ServerHandl
     (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "logprobs": 1}, "logprobs", "computes no scores"),
     (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "logprobs": 6}, "logprobs", "between 0 and 5"),
     (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "logprobs": True}, "logprobs", "integer"),
-    (wire.V1_COMPLETIONS_PATH, {"prompt": [1, 2, 3]}, "prompt", "token-id"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": [1, 2, 10**9]}, "prompt", "token id 1000000000 is out of vocabulary"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": [1, -2]}, "prompt", "token id -2 is out of vocabulary"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": [[1, 2], []]}, "prompt", "non-empty list of such lists"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": [[1, 2], "x"]}, "prompt", "non-empty list of such lists"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": [1, True]}, "prompt", "token ids"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": [1] * 64}, "prompt", "the prompt is 64 tokens"),
     (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "max_tokens": 0}, "max_tokens", "between 1 and 40"),
     (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "max_tokens": 41}, "max_tokens", "cap"),
     (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "temperature": "hot"}, "temperature", "number"),

@@ -35,7 +35,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 __all__ = ["GREEDY", "MAX_LOGPROBS", "MEANINGLESS", "POISON", "Chunk", "GenModel", "InputRejected", "Logprob",
            "Model", "ModelError", "ModelLoadError", "OutOfMemory", "Sampling", "Samplings", "Scored", "Verified",
            "generate_alone", "device_label", "keep_freed_memory", "minilm_dir", "on_fresh_thread", "pick_device", "pick_dtype",
-           "position_seed", "token_of"]
+           "position_seed", "prompt_of_ids", "token_of"]
 
 T = TypeVar("T")
 
@@ -189,6 +189,7 @@ class GenModel(Protocol):
     eos_id: int | None  # the token that ends a sequence early, unless the request ignores it
     eos_ids: tuple[int, ...]  # every token that ends it so (a config may list several; eos_id among them)
     max_context: int  # prompt + generated tokens one sequence may hold
+    vocab_size: int  # token ids 0 .. vocab_size - 1 are its own (a token-id prompt may hold only those)
     kv_bytes_per_token: int  # KV memory one position holds (layers x 2 x KV heads x head size x dtype); 0: unknown
     paged: bool  # the step engine can run it (labserver's own forward pass); False: only gen-hf-cb can
     scores: bool  # it gives log-probabilities when a chunk's sampling asks (Sampling.logprobs)
@@ -217,6 +218,21 @@ class GenModel(Protocol):
 
     def release(self, seq_ids: list[int]) -> None:
         """These sequences are gone (finished, failed, left, preempted): forget them (unknown ids are ignored)."""
+
+
+def prompt_of_ids(model: GenModel, ids: Sequence[int]) -> list[int]:
+    """A prompt sent as token ids (vLLM's and OpenAI's list of integers), checked as ``encode`` checks text:
+    InputRejected unless every id is the model's and the prompt leaves room for an answer."""
+    if not ids:
+        raise InputRejected("the prompt has no tokens; send some", param="prompt")
+    bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+    if bad is not None:
+        raise InputRejected(f"token id {bad} is out of vocabulary: {model.name} has ids 0 to {model.vocab_size - 1}",
+                            param="prompt")
+    if len(ids) >= model.max_context:
+        raise InputRejected(f"the prompt is {len(ids)} tokens; {model.name} holds {model.max_context} "
+                            "(prompt + output): shorten it", param="prompt")
+    return list(ids)
 
 
 def token_of(out: int | Scored | None) -> int | None:

@@ -120,6 +120,7 @@ class TokenizerText:
         self._wordpiece = _is_wordpiece(tokenizer)
         self._byte_level = _is_byte_level(tokenizer)
         self._texts: dict[int, str] = {}  # token -> its streamed text, as tokens are first seen
+        self.vocab_size = len(tokenizer)  # every id it can decode, added tokens included
 
     def encode(self, prompt: str) -> list[int]:
         tok = self.tokenizer

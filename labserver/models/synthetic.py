@@ -133,6 +133,7 @@ class SyntheticGen:
     note: str | None = "synthetic: no model runs; tokens are placeholders"
     eos_id: int | None = 0
     kv_bytes_per_token: int = 0  # what a position would hold (a real model's, from its config): 0 says nothing
+    vocab_size = POISONED + 1  # EOS, the words' 50,000 tokens, the poisoned one
     paged = True  # the step engine runs it
     tokenizer = None  # (words are tokens: no chat template of its own)
     scores = False  # no log-probabilities: it computes nothing

@@ -35,6 +35,7 @@ from starlette.responses import Response
 from ... import wire
 from ...engine import Seq
 from ...models import GenModel, Sampling
+from ...models.base import prompt_of_ids
 from ..handling import ClientError, FastJSON, answer, cache_salt, request_class
 from ..runtime import Runtime
 from ..streaming import SeqStream, generation_engine, letting_go, wait_all, wait_first_token
@@ -209,13 +210,14 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
     req = parse_request(body, chat=api.chat, max_chars=cfg.max_chars, max_tokens_cap=cfg.max_new_tokens,
                         max_prompts=cfg.max_prompts, template=chat_template(model) if api.chat else None)
     check_model(rt, req.model)
-    prompts = [model.encode(p) for p in req.prompts]  # InputRejected: 400
+    prompts = [model.encode(p) if isinstance(p, str) else prompt_of_ids(model, p) for p in req.prompts]  # (400s)
     priority, tenant = request_class(request, req.priority)
     salt = cache_salt(cfg.cache_isolation, tenant, req.cache_salt)
     seqs: list[Seq] = []  # choice i is seqs[i]: prompt by prompt, n choices each
     texts: list[str] = []  # the prompt each choice echoes
     with letting_go(seqs):  # whatever fails from the first one queued on (a header too), none is left generating
-        for text, ids in zip(req.prompts, prompts, strict=True):
+        for prompt, ids in zip(req.prompts, prompts, strict=True):
+            text = prompt if isinstance(prompt, str) else model.text(ids)  # (what echo shows of token ids)
             room = max(1, model.max_context - len(ids))
             limit = req.max_tokens or min(api.default_max_tokens(room), room, cfg.max_new_tokens)
             first = None

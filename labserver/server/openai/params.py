@@ -3,7 +3,8 @@
 Three kinds of field, as the benchmark clients need them to be (they send fields a
 server may not use, and break on a server that rejects them):
 
-- honoured: ``model``, ``prompt`` (a string or a list of strings) / ``messages``,
+- honoured: ``model``, ``prompt`` (a string, a list of strings, token ids: a list of
+  integers or a list of such lists, as vLLM takes them) / ``messages``,
   ``max_tokens`` (chat: ``max_completion_tokens`` first), ``stream``,
   ``stream_options.include_usage``, ``temperature``, ``top_p``, ``seed``, ``stop``,
   ``n`` (choices per prompt; with a seed, choice j draws with seed + j, as vLLM does),
@@ -14,7 +15,7 @@ server may not use, and break on a server that rejects them):
   ``MAX_CACHE_SALT_CHARS``: only requests with the same salt share prefix-cache blocks);
 - refused with a 400 that says why: a value that asks for what this server cannot do
   (``best_of`` other than ``n``, ``suffix``, ``logit_bias``, tools, a structured
-  ``response_format``, token-id prompts, images);
+  ``response_format``, images);
 - ignored: everything else (``user``, ``frequency_penalty``, ``presence_penalty``,
   ``repetition_penalty``, ``top_k`` ...): accepted, and named in the answer's
   ``x-ignored-fields`` header and in the log (at debug level: nothing a client names is
@@ -76,7 +77,8 @@ class GenRequest:
     """One completions or chat request, checked."""
 
     chat: bool
-    prompts: list[str]  # one per prompt (chat: the rendered conversation); each gets n choices
+    prompts: list[str | list[int]]  # one per prompt: text (chat: the rendered conversation) or token ids; each gets
+    #   n choices
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: the prompt's text (and log-probabilities) before the answer's
     logprobs: int | None = None  # alternatives per token with each token's log-probability (None: no logprobs)
@@ -139,8 +141,9 @@ def parse_request(body: bytes, *, chat: bool, max_chars: int, max_tokens_cap: in
                       f"limit of {max_prompts} per request", "n")
     req.logprobs = _logprobs(doc, chat)
     for i, prompt in enumerate(req.prompts):
-        check_text('"messages"' if chat else ('"prompt"' if len(req.prompts) == 1 else f'"prompt"[{i}]'),
-                   prompt, max_chars)
+        if isinstance(prompt, str):
+            check_text('"messages"' if chat else ('"prompt"' if len(req.prompts) == 1 else f'"prompt"[{i}]'),
+                       prompt, max_chars)
     limit = _typed(doc, "max_completion_tokens", int, "an integer") if chat else None
     name = "max_completion_tokens" if limit is not None else "max_tokens"
     limit = limit if limit is not None else _typed(doc, "max_tokens", int, "an integer")
@@ -240,16 +243,26 @@ def _cache_salt(doc: dict[str, Any]) -> str | None:
     return salt  # type: ignore[no-any-return]
 
 
-def _prompts(prompt: Any, max_prompts: int) -> list[str]:
+def _prompts(prompt: Any, max_prompts: int) -> list[str | list[int]]:
+    """One prompt or several: text, or token ids (the model's vocabulary is checked when they are encoded)."""
     if isinstance(prompt, str):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) > max_prompts:
-            raise _refuse(f"{len(prompt)} prompts is over the limit of {max_prompts} per request", "prompt")
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
-        raise _refuse("token-id prompts are not supported; send the prompt as text", "prompt")
-    raise _refuse('"prompt" must be a string or a non-empty list of strings', "prompt")
+    if isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
+        return [[int(t) for t in prompt]]
+    several = isinstance(prompt, list) and prompt and (
+        all(isinstance(p, str) for p in prompt)
+        or all(isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt))
+    if not several:
+        raise _refuse('"prompt" must be a string, a non-empty list of strings, a non-empty list of token ids '
+                      "(integers) or a non-empty list of such lists", "prompt")
+    if len(prompt) > max_prompts:
+        raise _refuse(f"{len(prompt)} prompts is over the limit of {max_prompts} per request", "prompt")
+    return [p if isinstance(p, str) else [int(t) for t in p] for p in prompt]
+
+
+def _is_id(t: Any) -> bool:
+    """A token id as JSON may carry one: an integer (``5.0`` too, as JSON Schema's ``integer``), not a bool."""
+    return (isinstance(t, int) and not isinstance(t, bool)) or (isinstance(t, float) and t.is_integer())
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:
