@@ -121,8 +121,8 @@ def test_answers_equal_one_engines_and_every_byte_handed_over_is_counted(pools: 
     assert after["kv_transfers"] - before["kv_transfers"] == 3
     assert after["kv_transfer_bytes"] - before["kv_transfer_bytes"] == KV_BYTES * sum(len(p.split()) for p in prompts)
     metrics = httpx.get(pools.url + "/metrics").text
-    assert f"labserver_kv_transfer_bytes_total {float(after['kv_transfer_bytes'])}" in metrics
-    assert "labserver_kv_transfer_ms_total" in metrics
+    assert f"labserver:kv_transfer_bytes_total {float(after['kv_transfer_bytes'])}" in metrics
+    assert "labserver:kv_transfer_ms_total" in metrics
     # one token asked for: answered by the prefill replica alone, no hand-over
     r = httpx.post(pools.url + "/generate", json={"prompt": "just one", "max_new_tokens": 1}, timeout=60)
     assert r.status_code == 200 and len(r.json()["tokens"]) == 1 and ">" not in r.headers[wire.HEADER_REPLICA]

@@ -36,7 +36,7 @@ def test_every_counter_reaches_stats_under_its_own_name(engine: EngineBase) -> N
     metrics = engine.metrics()
     names = [m.name for m in metrics]
     assert len(names) == len(set(names)), Counter(names).most_common(3)  # no name twice
-    assert all(m.help and m.kind in ("counter", "gauge", "sizes") for m in metrics)
+    assert all(m.help and m.kind in ("counter", "gauge", "sizes", "histogram") for m in metrics)
     counted = {m.name for m in metrics_of(engine.counters)}
     assert counted and counted <= set(engine.stats())  # every counter field, by its field name
     assert {"rejected_overload", "expired_in_queue", "skipped_client_gone", "items_failed"} <= counted
@@ -55,7 +55,7 @@ def test_a_new_counter_is_one_line() -> None:
     stats = engine.stats()
     assert stats["coffee_breaks"] == 2 and stats["break_lengths"] == {"5": 1}
     rendered = {m.name: family_of(m) for m in engine.metrics()}
-    assert rendered["coffee_breaks"].name == "labserver_coffee_breaks"
+    assert rendered["coffee_breaks"].name == "labserver:coffee_breaks"
     assert rendered["coffee_breaks"].documentation == "Breaks the engine took"
 
 
@@ -71,10 +71,10 @@ def test_stats_and_metrics_speak_the_same_names() -> None:
         for m in engine.metrics():
             assert m.name in stats, m.name
             if m.value is not None:  # (a counter's samples end in _total, as Prometheus names them)
-                exported = f"labserver_{m.name}" + ("_total" if m.kind == "counter" else "")
+                exported = f"labserver:{m.name}" + ("_total" if m.kind == "counter" else "")
                 assert f"# HELP {exported} {m.help}" in text, m.name
-        assert stats["tokens_generated"] == 30 and "labserver_tokens_generated_total 30.0" in text
-        assert stats["requests_prefilled"] == 6 and "labserver_requests_prefilled_total 6.0" in text
+        assert stats["tokens_generated"] == 30 and "labserver:tokens_generated_total 30.0" in text
+        assert stats["requests_prefilled"] == 6 and "labserver:requests_prefilled_total 6.0" in text
 
 
 @pytest.mark.parametrize("strategy, engine", [(Thread, BatchEngine), (GenContinuous, StepEngine),

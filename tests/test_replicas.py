@@ -136,8 +136,12 @@ def test_stats_show_every_replica_and_the_requests_each_took(cluster: ReplicasHa
     assert {s["rank"] for s in stats.values()} == {0, 1} and {s["model"] for s in stats.values()} == {MODEL}
     text = httpx.get(cluster.url + "/metrics", timeout=30).text  # every replica's counters, labelled
     for replica in stats:
-        assert f'labserver_replica_requests_prefilled_total{{replica="{replica}"}}' in text
-    assert 'labserver_replica_running{replica="' in text
+        assert f'labserver:replica_requests_prefilled_total{{replica="{replica}"}}' in text
+        # in vLLM's names each replica is an engine (as vLLM labels its data-parallel ranks)
+        answered = sum(stats[replica]["finished"].values())
+        assert (f'vllm:e2e_request_latency_seconds_count{{engine="{replica}",model_name="{MODEL}"}} '
+                f"{float(answered)}") in text
+    assert 'labserver:replica_running{replica="' in text
 
 
 def test_overload_is_refused_at_the_ingress_with_503_and_retry_after(cluster: ReplicasHandle) -> None:

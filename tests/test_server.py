@@ -115,9 +115,9 @@ def test_health_stats_metrics(echo: labserver.ServerHandle) -> None:
     assert stats["queue_depth"] == 0
     assert stats["recent_batches"][0]["size"] == 1
     text = httpx.get(echo.url + "/metrics").text
-    assert 'labserver_responses_total{status="200"} 1.0' in text
-    assert "labserver_batch_size_histogram_count 1.0" in text
-    assert "labserver_request_seconds_count 1.0" in text
+    assert 'labserver:responses_total{status="200"} 1.0' in text
+    assert "labserver:batch_size_histogram_count 1.0" in text
+    assert "labserver:request_seconds_count 1.0" in text
 
 
 def test_503_with_retry_after_when_queue_is_full(gate: GateModel) -> None:

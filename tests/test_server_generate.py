@@ -295,7 +295,7 @@ def test_metrics_count_the_503s_of_a_generation_server() -> None:
         rejected = statuses.count(503)
         assert rejected >= 10 and set(statuses) <= {200, 503}
         page = httpx.get(h.url + "/metrics").text
-        assert metric(page, "labserver_rejected_overload_total") == rejected
-        assert metric(page, 'labserver_responses_total{status="503"}') == rejected
-        assert metric(page, "labserver_tokens_generated_total") == 2 * statuses.count(200)
+        assert metric(page, "labserver:rejected_overload_total") == rejected
+        assert metric(page, 'labserver:responses_total{status="503"}') == rejected
+        assert metric(page, "labserver:tokens_generated_total") == 2 * statuses.count(200)
         assert httpx.get(h.url + "/stats").json()["rejected_overload"] == rejected

@@ -132,6 +132,21 @@ def test_token_id_prompts_are_answered_as_their_text(gen: labserver.ServerHandle
     assert floats.json()["choices"][0]["text"] == as_text["choices"][1]["text"]  # (JSON's integer: 5.0 is 5)
 
 
+def test_max_model_len_is_what_one_sequence_may_hold_here() -> None:
+    """The model's context, or the KV pool where that holds less: a request of exactly that many tokens is served,
+    one more is refused (a client sizing its prompts by it never gets a 400 it was not told of)."""
+    with labserver.serve("gen-paged", SyntheticGen(0, 0, max_context=512), max_kv_tokens=96, kv_block_tokens=16,
+                         max_new_tokens=64) as h:
+        listed = httpx.get(h.url + wire.V1_MODELS_PATH).json()["data"][0]["max_model_len"]
+        assert listed == 96
+        fits = httpx.post(h.url + wire.V1_COMPLETIONS_PATH, json={"prompt": [5] * 40, "max_tokens": 56})
+        assert fits.status_code == 200 and fits.json()["usage"]["total_tokens"] == 96
+        over = httpx.post(h.url + wire.V1_COMPLETIONS_PATH, json={"prompt": [5] * 41, "max_tokens": 56})
+        assert over.status_code == 400 and "KV-cache budget of 96" in over.json()["error"]["message"]
+    with labserver.serve("gen-paged", SyntheticGen(0, 0, max_context=512)) as h:
+        assert httpx.get(h.url + wire.V1_MODELS_PATH).json()["data"][0]["max_model_len"] == 512
+
+
 def test_a_nul_character_is_text_like_any_other(gen: labserver.ServerHandle) -> None:
     """vLLM answers a prompt that holds NUL (``vllm bench serve``'s random prompts can): refused only what cannot be
     tokenized (a lone surrogate)."""

@@ -126,7 +126,7 @@ def test_live_budget_padding_counters_and_header() -> None:
     assert [(b["size"], b["tokens"], b["padded_tokens"], b["reason"]) for b in log] == [
         (1, 5, 5, "tokens"), (1, 42, 42, "tokens"), (2, 10, 10, "idle")]
     assert stats["tokens_computed"] == 57 and stats["tokens_padded"] == 57
-    assert "labserver_tokens_padded_total 57" in metrics or "labserver_tokens_padded 57" in metrics
+    assert "labserver:tokens_padded_total 57" in metrics or "labserver:tokens_padded 57" in metrics
 
 
 def test_live_padding_is_counted() -> None:

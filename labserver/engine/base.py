@@ -329,7 +329,7 @@ class EngineBase:
     # -- what /stats and /metrics show --------------------------------------------------
     def metrics(self) -> list[Metric]:
         """Everything this engine reports: its state now, then its counters (each named once)."""
-        return [gauge("queue_depth", "Requests waiting in the queue", len(self.queue)),
+        return [gauge("queue_depth", "Requests waiting in the queue", len(self.queue), peer="vllm:num_requests_waiting"),
                 gauge("computing", "Requests in the model now", len(self.in_flight)),
                 *metrics_of(self.counters)]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -18,7 +19,7 @@ from typing import Any
 
 from ..models import GREEDY, GenModel, InputRejected, Logprob, ModelLoadError, Sampling
 from .base import Counters, EngineBase, ShuttingDown
-from .counters import Metric, count, gauge, tally
+from .counters import Histogram, Metric, count, gauge, histogram, tally
 from .output import Detokenizer
 from .sequence import EosStandIn, Request, Seq
 
@@ -27,15 +28,97 @@ __all__ = ["GenCounters", "GenEngine", "kv_budget_tokens"]
 
 DEFAULT_SEQS, DEFAULT_CONTEXT = 64, 2048  # no budget given: this many sequences of this much context, at most
 
+# vLLM 0.32's bucket edges (vllm/v1/metrics/buckets.py), so that its dashboards read labserver's histograms alike
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0)
+REQUEST_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                     480.0, 960.0, 1920.0, 7680.0)  # a request's phases: e2e, queue, prefill, decode, inference
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # tokens per model call
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+
+
+def one_two_five(most: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50 ... up to ``most``: vLLM's buckets for tokens per request (``most``: the context)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > most:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
 
 @dataclass
 class GenCounters(Counters):
     requests_prefilled: int = count("Sequences whose prompt was computed (their first token made)")
-    tokens_generated: int = count("Tokens generated for clients")
-    finished: Counter[str] = tally("Sequences answered, by finish reason (length, eos, stop)", "reason")
+    tokens_generated: int = count("Tokens generated for clients", peer="vllm:generation_tokens")
+    finished: Counter[str] = tally("Sequences answered, by finish reason (length, eos, stop)", "reason",
+                                   peer="vllm:request_success")
     left_while_generating: int = count("Sequences dropped mid-generation: their client left")
     prefill_reasons: Counter[str] = tally("Admissions by why they happened (start, join, single, full, ...)",
                                           "reason")
+    # -- each answered sequence's times and sizes (vLLM's per-request histograms; times in s, on the engine's clock)
+    time_to_first_token_s: Histogram = histogram("From joining the queue to the first token, s", TTFT_BUCKETS_S,
+                                                 peer="vllm:time_to_first_token_seconds")
+    inter_token_latency_s: Histogram = histogram("Between a sequence's tokens (one per model call that made some), s",
+                                                 ITL_BUCKETS_S, peer="vllm:inter_token_latency_seconds")
+    e2e_latency_s: Histogram = histogram("Answered sequences: from joining the queue to the last token, s",
+                                         REQUEST_BUCKETS_S, peer="vllm:e2e_request_latency_seconds")
+    queue_time_s: Histogram = histogram("Answered sequences: from joining the queue to their first admission, s",
+                                        REQUEST_BUCKETS_S, peer="vllm:request_queue_time_seconds")
+    prefill_time_s: Histogram = histogram("Answered sequences: from their first admission to the first token, s",
+                                          REQUEST_BUCKETS_S, peer="vllm:request_prefill_time_seconds")
+    decode_time_s: Histogram = histogram("Answered sequences: from the first token to the last, s",
+                                         REQUEST_BUCKETS_S, peer="vllm:request_decode_time_seconds")
+    inference_time_s: Histogram = histogram("Answered sequences: from their first admission to the last token, s",
+                                            REQUEST_BUCKETS_S, peer="vllm:request_inference_time_seconds")
+    time_per_output_token_s: Histogram = histogram("Answered sequences: decode time per token after the first, s",
+                                                   ITL_BUCKETS_S, peer="vllm:request_time_per_output_token_seconds")
+    request_prompt_tokens: Histogram = histogram("Answered sequences: prompt tokens", one_two_five(10**5),
+                                                 peer="vllm:request_prompt_tokens")
+    request_generation_tokens: Histogram = histogram("Answered sequences: tokens generated", one_two_five(10**5),
+                                                     peer="vllm:request_generation_tokens")
+    request_max_tokens: Histogram = histogram("Answered sequences: the max_tokens asked", one_two_five(10**5),
+                                              peer="vllm:request_params_max_tokens")
+    request_prefill_computed_tokens: Histogram = histogram(
+        "Answered sequences: prompt tokens computed (not from a prefix cache)", one_two_five(10**5),
+        peer="vllm:request_prefill_kv_computed_tokens")
+    request_preemptions: Histogram = histogram("Answered sequences: times each was preempted", PREEMPTION_BUCKETS,
+                                               peer="vllm:request_num_preemptions")
+
+    def sized_for(self, context: int) -> None:
+        """Token histograms bucketed up to the model's context (as vLLM sizes them by its max_model_len)."""
+        for name in ("request_prompt_tokens", "request_generation_tokens", "request_max_tokens",
+                     "request_prefill_computed_tokens"):
+            setattr(self, name, Histogram(one_two_five(context)))
+
+    def token_made(self, seq: Seq, now: float) -> None:
+        """A token is about to be emitted for ``seq`` at ``now``: its TTFT, or the gap since its last call's."""
+        if not seq.tokens:
+            self.time_to_first_token_s.observe(now - seq.enqueued_s)
+        elif now != seq.last_token_s:  # (a verification's several tokens: one gap, as vLLM counts one per step)
+            self.inter_token_latency_s.observe(now - seq.last_token_s)
+
+    def answered(self, seq: Seq) -> None:
+        """``seq`` is answered (its finish reason and end time set): its reason counted, its times and sizes."""
+        self.finished[seq.finish_reason or "?"] += 1
+        decode = seq.finished_s - seq.first_token_s
+        for hist, value in ((self.e2e_latency_s, seq.finished_s - seq.enqueued_s),
+                            (self.queue_time_s, seq.admitted_s - seq.enqueued_s),
+                            (self.prefill_time_s, seq.first_token_s - seq.admitted_s),
+                            (self.decode_time_s, decode),
+                            (self.inference_time_s, seq.finished_s - seq.admitted_s),
+                            (self.time_per_output_token_s, decode / (len(seq.tokens) - 1) if len(seq.tokens) > 1
+                             else 0.0)):
+            if not math.isnan(value):  # (a hand-over's decode side was never admitted here for its prompt)
+                hist.observe(value)
+        self.request_prompt_tokens.observe(len(seq.prompt_ids))
+        self.request_generation_tokens.observe(len(seq.tokens))
+        self.request_max_tokens.observe(seq.max_new_tokens)
+        self.request_prefill_computed_tokens.observe(len(seq.prompt_ids) - seq.cached_tokens)
+        self.request_preemptions.observe(seq.preemptions)
 
 
 class GenEngine(EngineBase):
@@ -47,10 +130,12 @@ class GenEngine(EngineBase):
         super().__init__(*args, **kwargs)
         self._sids = itertools.count(1)
         self._eos_ids = frozenset(self.model.eos_ids)
+        self.counters.sized_for(self.model.max_context)
         self.eos_standin = EosStandIn(self.limits.eos_prob)
 
     def emit(self, seq: Seq, token: int, now: float, logprob: Logprob | None = None) -> None:
         """A token the model made for ``seq`` (or EOS in its place: ``eos_prob``), handed over."""
+        self.counters.token_made(seq, now)
         seq.emit(self.eos_standin(seq, token, self.model.eos_id), now, self.model.eos_id, self._eos_ids, logprob)
 
     @staticmethod
@@ -87,6 +172,11 @@ class GenEngine(EngineBase):
             raise InputRejected(f'"logprobs": {self.model.name} computes no scores under {self.strategy.name}; '
                                 "serve a real model (smollm2, a folder) with gen-continuous or gen-paged",
                                 param="logprobs")
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens one sequence may hold here (prompt + output): the model's context (``/v1/models`` says it)."""
+        return int(self.model.max_context)
 
     hands_over = False  # it can end a sequence after its prompt and hand its KV on, or go on from one (StepEngine)
 
@@ -131,7 +221,8 @@ class GenEngine(EngineBase):
         self.fail(list(self.running), ShuttingDown("server is shutting down; generation stopped"))
 
     def metrics(self) -> list[Metric]:
-        return [*super().metrics(), gauge("running", "Sequences in the running batch", len(self.running))]
+        return [*super().metrics(), gauge("running", "Sequences in the running batch", len(self.running),
+                                          peer="vllm:num_requests_running")]
 
 
 kv_budget_tokens = GenEngine.kv_budget_tokens  # (the rule both generation engines size their KV pool by)

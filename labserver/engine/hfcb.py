@@ -384,6 +384,6 @@ class HFEngine(GenEngine):
             seq.fail(error)
         elif reason is not None or seq.finished:
             seq.finish(self.clock(), reason)
-            self.counters.finished[seq.finish_reason or "?"] += 1
+            self.counters.answered(seq)
         else:
             self.counters.left_while_generating += 1

@@ -294,6 +294,7 @@ class Scheduler:
             seq.status = (Status.FINISHED if seq.finished else
                           Status.DECODING if seq.tokens and seq.pending == 1 else Status.PREFILLING)
             self.strategy.scheduling.served(seq, 0 if seq.sid in decoding else n, 1 if seq.sid in decoding else 0)
+        c.iteration_tokens.observe(sum(n for _, n in plan.work))
         if decoding:  # a decode step (or a mixed one: chunked prefill)
             self.strategy.scheduling.observe_step(len(plan.work), (end_s - start_s) * 1000)
             c.decode_steps += 1
@@ -340,8 +341,8 @@ class Scheduler:
     def _retire(self) -> None:
         done = self.strategy.leaving(self.running)
         for seq in done:
-            self.counters.finished[seq.finish_reason or "?"] += 1
             seq.finish(self.clock())
+            self.counters.answered(seq)
         self._leave(done)
 
     def _leave(self, seqs: list[Seq]) -> None:

@@ -83,6 +83,7 @@ class Seq:
     preemptions: int = 0  # times its blocks were taken back and it was requeued to be recomputed
     admitted_s: float = math.nan  # its first prefill started
     first_token_s: float = math.nan
+    last_token_s: float = math.nan  # its latest token was made
     finished_s: float = math.nan  # its last token was made
     steps: int = 0  # decode steps it took part in while generating
     step_batch_sum: int = 0  # sum of those steps' sizes (for its mean batch)
@@ -164,6 +165,7 @@ class Seq:
             self.first_token_s = now
             self.deadline_s = math.inf  # the deadline is for the first token: a preempted stream is not 504'd
         may_end = self.may_end
+        self.last_token_s = now
         self.tokens.append(token)
         if logprob is not None:
             self.logprobs.append(logprob if logprob.token == token else Logprob(token, math.nan))

@@ -107,6 +107,11 @@ class StepEngine(GenEngine):
                                 f"budget of {self.blocks.total * self.blocks.block_tokens} (max_kv_tokens, in blocks "
                                 f"of {self.blocks.block_tokens}); ask for fewer tokens")
 
+    @property
+    def max_model_len(self) -> int:
+        """The model's context, or the whole KV pool where that holds less (``check`` refuses past it)."""
+        return min(super().max_model_len, self.blocks.total * self.blocks.block_tokens)
+
     # -- the worker ----------------------------------------------------------------------
     async def _work(self) -> None:
         await self.step_loop()
@@ -259,6 +264,8 @@ class StepEngine(GenEngine):
                 gauge("kv_parked", "Disaggregated prefill side: sequences whose blocks wait for a decode replica's "
                       "pull", len(self.parking)),
                 gauge("kv_blocks_total", "KV-cache blocks in the pool", b.total),
+                gauge("kv_usage", "Share of the pool's blocks in running sequences' tables (1: all)",
+                      b.used / b.total if b.total else 0.0, peer="vllm:kv_cache_usage_perc"),
                 gauge("kv_tokens_total", "KV-cache positions the pool holds (its token budget)",
                       b.total * b.block_tokens),
                 gauge("kv_bytes_per_token", "KV memory one position holds: layers x 2 x KV heads x head size x "

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .counters import count, sizes
-from .genbase import GenCounters
+from .counters import Histogram, count, histogram, sizes
+from .genbase import ITERATION_BUCKETS, GenCounters
 
 __all__ = ["StepCounters", "StepRecord"]
 
@@ -51,11 +51,16 @@ class StepCounters(GenCounters):
     decode_steps: int = count("Model calls that decoded (decode or mixed steps)")
     idle_tokens: int = count("Tokens computed for sequences already finished (static batching's padding)")
     step_size_histogram: Counter[int] = sizes("Sequences per decode step")
-    preemptions: int = count("Sequences preempted for KV blocks (freed, requeued, recomputed)")
+    iteration_tokens: Histogram = histogram("Tokens computed per model call (prompt pieces + decodes)",
+                                            ITERATION_BUCKETS, peer="vllm:iteration_tokens_total")
+    preemptions: int = count("Sequences preempted for KV blocks (freed, requeued, recomputed)",
+                             peer="vllm:num_preemptions")
     preempted_for_priority: int = count("Sequences preempted at admission for a higher priority class (recomputed)")
     recomputed_tokens: int = count("Tokens prefilled again after a preemption")
-    prompt_tokens: int = count("Prompt tokens of admitted sequences (first admission)")
-    cached_tokens: int = count("Of those, tokens whose KV the prefix cache held (not computed)")
+    prompt_tokens: int = count("Prompt tokens of admitted sequences (first admission)",
+                               peer=("vllm:prompt_tokens", "vllm:prefix_cache_queries"))
+    cached_tokens: int = count("Of those, tokens whose KV the prefix cache held (not computed)",
+                               peer=("vllm:prompt_tokens_cached", "vllm:prefix_cache_hits"))
     shared_tokens: int = count("Of those, tokens a choice shared with its request's first choice (n > 1; not "
                                "computed)")
     spec_proposed_tokens: int = count("Speculative decoding: tokens proposed (guessed) and verified",

@@ -2,19 +2,21 @@
 
 A labserver serves one model; its id is the model spec it was started with
 (``gpt2-random``, ``minilm``, a folder ...), ``root`` says where it came from and
-``max_model_len`` how many tokens one sequence may hold (prompt + output; for an
-encoder, the tokens it reads). A request that names another model is a 404 with
+``max_model_len`` how many tokens one sequence may hold here (prompt + output: the
+model's context, or the server's whole KV pool where that holds less, as vLLM says it; for
+an encoder, the tokens it reads). A request that names another model is a 404 with
 code ``model_not_found``, as OpenAI answers; a request that names none gets this one.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ... import wire
+from ...engine.genbase import GenEngine
 from ..handling import ClientError
 from ..runtime import Runtime
 
@@ -26,10 +28,12 @@ def served_name(rt: Runtime) -> str:
 
 
 def max_model_len(rt: Runtime) -> int | None:
+    if rt.engine is not None and rt.engine.kind == "generate":
+        return cast(GenEngine, rt.engine).max_model_len
     model = rt.model
     if model is None:
         return None
-    length = getattr(model, "max_context", None) or getattr(model, "max_tokens", None)
+    length = getattr(model, "max_tokens", None)  # (an encoder's)
     return int(length) if length else None
 
 

@@ -218,7 +218,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
     with letting_go(seqs):  # whatever fails from the first one queued on (a header too), none is left generating
         for prompt, ids in zip(req.prompts, prompts, strict=True):
             text = prompt if isinstance(prompt, str) else model.text(ids)  # (what echo shows of token ids)
-            room = max(1, model.max_context - len(ids))
+            room = max(1, engine.max_model_len - len(ids))
             limit = req.max_tokens or min(api.default_max_tokens(room), room, cfg.max_new_tokens)
             first = None
             for j in range(req.n):
