@@ -147,6 +147,25 @@ def test_max_model_len_is_what_one_sequence_may_hold_here() -> None:
         assert httpx.get(h.url + wire.V1_MODELS_PATH).json()["data"][0]["max_model_len"] == 512
 
 
+def test_return_token_ids_gives_each_choice_its_tokens_and_its_prompts(gen: labserver.ServerHandle) -> None:
+    """vLLM's ``return_token_ids``: the ids a client can compare with another server's, in the answer and the
+    stream alike (the stream's chunks carry each token once, in order)."""
+    ids = SyntheticGen(1, 0.5).encode("one two three")
+    body = {"prompt": ids, "max_tokens": 6, "return_token_ids": True}
+    whole = httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json=body).json()
+    choice = whole["choices"][0]
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 6
+    assert SyntheticGen(1, 0.5).text(choice["token_ids"]) == choice["text"]
+    _, raw = raw_stream(gen.url, wire.V1_COMPLETIONS_PATH, body)
+    streamed = [t for e in chunks(raw) for c in e["choices"] for t in c["token_ids"]]
+    assert streamed == choice["token_ids"]
+    chat = httpx.post(gen.url + wire.V1_CHAT_PATH, json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 3, "return_token_ids": True}).json()
+    assert len(chat["choices"][0]["token_ids"]) == 3 and chat["choices"][0]["prompt_token_ids"]
+    assert "token_ids" not in httpx.post(gen.url + wire.V1_COMPLETIONS_PATH, json={**body, "return_token_ids": False}
+                                         ).json()["choices"][0]
+
+
 def test_a_nul_character_is_text_like_any_other(gen: labserver.ServerHandle) -> None:
     """vLLM answers a prompt that holds NUL (``vllm bench serve``'s random prompts can): refused only what cannot be
     tokenized (a lone surrogate)."""

@@ -256,6 +256,8 @@ async def _respond(rt: Runtime, request: Request, reply: _Reply, seqs: list[Seq]
         reason = finish_reason(seq, text)
         choices.append(reply.answer(i, prompt, piece, reason, _stop_reason(text),
                                     _Scores(reply, model, seq, prompt).pending()))
+        if req.return_token_ids:  # (vLLM's: each choice's tokens and its prompt's)
+            choices[-1].update(token_ids=list(seq.tokens), prompt_token_ids=list(seq.prompt_ids))
     now = time.perf_counter()
     response = FastJSON({**reply.head(False), "choices": choices, "usage": usage(seqs)},
                         headers={**headers, wire.HEADER_SERVER_MS: f"{(now - t0) * 1000:.3f}"})
@@ -289,6 +291,7 @@ class _Chunks:
         self.scores = [_Scores(reply, model, seq, prompt) for seq, prompt in zip(seqs, prompts, strict=True)]
         self.echo = list(prompts) if reply.req.echo else [""] * len(seqs)  # sent before a choice's first text
         self.open_ = set(range(len(seqs)))  # choices not yet finished
+        self.ids_sent = [0] * len(seqs)  # return_token_ids: tokens of each choice already sent
         self.first = True
 
     def pending(self) -> bytes:
@@ -304,6 +307,9 @@ class _Chunks:
             if piece or reason or scores or (self.first and self.reply.opens_with_role):
                 choices.append(self.reply.choice(i, piece, reason, first=self.first, logprobs=scores,
                                                  stop_reason=_stop_reason(text) if reason else None))
+                if self.reply.req.return_token_ids:  # the tokens made since this choice's last chunk
+                    choices[-1]["token_ids"] = seq.tokens[self.ids_sent[i]:]
+                    self.ids_sent[i] = len(seq.tokens)
             if ended:
                 self.open_.discard(i)
         if not choices:

@@ -11,8 +11,9 @@ server may not use, and break on a server that rejects them):
   ``best_of`` equal to ``n``, ``logprobs`` (completions: 0 to 5 alternatives; chat:
   true, with ``top_logprobs`` 0 to 20), ``echo`` (completions: the prompt before the
   answer; with ``logprobs``, the prompt's log-probabilities too), and vLLM's
-  ``ignore_eos``, ``min_tokens`` and ``cache_salt`` (a non-empty string of at most
-  ``MAX_CACHE_SALT_CHARS``: only requests with the same salt share prefix-cache blocks);
+  ``ignore_eos``, ``min_tokens``, ``cache_salt`` (a non-empty string of at most
+  ``MAX_CACHE_SALT_CHARS``: only requests with the same salt share prefix-cache blocks) and
+  ``return_token_ids`` (each choice's ``token_ids``, and the prompt's ``prompt_token_ids``);
 - refused with a 400 that says why: a value that asks for what this server cannot do
   (``best_of`` other than ``n``, ``suffix``, ``logit_bias``, tools, a structured
   ``response_format``, images);
@@ -65,7 +66,7 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for /v1/completions' "logprobs" (cha
 
 _COMMON = {"model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "n",
            "ignore_eos", "min_tokens", "priority", "cache_salt", "logprobs", "logit_bias", "best_of",
-           "response_format"}
+           "response_format", "return_token_ids"}
 _USED = {False: _COMMON | {"prompt", "echo", "suffix"},
          True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                           "function_call"}}
@@ -92,6 +93,7 @@ class GenRequest:
     min_tokens: int = 0
     priority: int | None = None  # vLLM's: a lower value is served first (None: the x-priority header, or 0)
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only under the same salt (None: none)
+    return_token_ids: bool = False  # vLLM's: the answer carries its token ids and its prompt's
     ignored: list[str] = field(default_factory=list)  # fields accepted but not used
 
 
@@ -161,6 +163,7 @@ def parse_request(body: bytes, *, chat: bool, max_chars: int, max_tokens_cap: in
     req.min_tokens = _typed(doc, "min_tokens", int, "an integer") or 0
     req.priority = _typed(doc, "priority", int, "an integer (lower is served first)")
     req.cache_salt = _cache_salt(doc)
+    req.return_token_ids = bool(_typed(doc, "return_token_ids", bool, "true or false"))
     if req.min_tokens < 0 or (limit is not None and req.min_tokens > limit):
         raise _refuse(f'"min_tokens" must be between 0 and {name} ({limit}), got {req.min_tokens}', "min_tokens")
     req.ignored = sorted(set(doc) - _USED[chat]) + req.ignored
