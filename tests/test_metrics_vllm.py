@@ -152,3 +152,23 @@ def test_the_route_is_behind_the_key() -> None:
         assert httpx.get(h.url + "/metrics").status_code == 401
         ok = httpx.get(h.url + "/metrics", headers={"Authorization": "Bearer k1"})
         assert ok.status_code == 200 and 'vllm:num_requests_running{engine="0"' in ok.text
+
+
+def test_scrape_splits_a_run_into_the_servers_own_phases() -> None:
+    """``labserver.load.scrape``: two scrapes of vLLM's names around a run give that run's requests, tokens and the
+    mean of each phase, as the server's own /stats counts them (the same code reads vLLM)."""
+    from labserver.load.scrape import scrape, server_phases
+
+    with labserver.serve("gen-continuous", SyntheticGen(2, 1), max_batch_size=4) as h:
+        httpx.post(h.url + wire.V1_COMPLETIONS_PATH, json={"prompt": "before", "max_tokens": 3}, timeout=30)
+        before, stats_before = scrape(h.url), h.stats()
+        for k in range(3):
+            r = httpx.post(h.url + wire.V1_COMPLETIONS_PATH, json={"prompt": f"x {k}", "max_tokens": 5,
+                                                                  "ignore_eos": True}, timeout=30)
+            assert r.status_code == 200
+        phases, stats = server_phases(before, scrape(h.url)), h.stats()
+    assert phases["requests"] == 3 and phases["tokens"] == 15
+    e2e = stats["e2e_latency_s"]["sum"] - stats_before["e2e_latency_s"]["sum"]
+    assert phases["e2e_ms"] == pytest.approx(1000 * e2e / 3, rel=1e-3)  # (/stats rounds to the microsecond)
+    assert phases["decode_ms"] > 0 and phases["queue_ms"] >= 0 and phases["itl_ms"] > 0
+    assert phases["queue_ms"] + phases["prefill_ms"] + phases["decode_ms"] == pytest.approx(phases["e2e_ms"], rel=0.05)
