@@ -40,6 +40,7 @@ import argparse
 import logging
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -342,6 +343,7 @@ def main() -> int:
     args.servers = args.servers.split(",")
     args.skip = args.skip.split(",") + (["bench_serve", "lm_eval"] if args.smoke else [])
     args.timeout = 3 * (args.warmup + args.duration) + 300
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # (a kill still stops the server it started)
     logging.getLogger("labserver.loadgen").setLevel(logging.ERROR)
     clock = RunClock()
     numbers: dict[str, Any] = {"machine": machine_info("cpu"), "args": vars(args), "command": " ".join(sys.argv),

@@ -105,9 +105,26 @@ def prompts(args: argparse.Namespace, n: int = 1024) -> list[str]:
 
 
 def cpu_s(pid: int | None = None) -> float:
-    """CPU seconds a process has used so far (this one by default), from /proc."""
-    fields = Path(f"/proc/{pid or 'self'}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds a process has used so far (this one by default), from /proc; a server's (``pid``) with every
+    process under it (vLLM computes in an engine process its API server starts)."""
+    pids = [pid, *_descendants(pid)] if pid else ["self"]
+    total = 0.0
+    for p in pids:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # (gone meanwhile)
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _descendants(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def quiet(max_wait_s: float, busy_cores: float = 0.3, probe_s: float = 2.0) -> float:

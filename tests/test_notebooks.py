@@ -213,3 +213,33 @@ def test_the_reading_of_each_run_is_printed_by_the_run(path: Path) -> None:
     assert not flagged, f"{path.name}: committed claims whose margin is inside their noise: {flagged}"
     unread = unread_failures(outputs_text(nb))
     assert not unread, f"{path.name}: committed claims that fail with no reading of their own run: {unread}"
+
+
+# ---------------------------------------------------------------- printed source is the code's source
+
+def test_stale_blocks_finds_source_the_code_no_longer_has() -> None:
+    from labserver.lab.source import stale_blocks
+
+    code = ["class A:\n    def rule(self, q):\n        return q[:3]\n"]
+    shown = "    def rule(self, q):\n        return q[:3]\n\nsome output\n"
+    assert stale_blocks(shown, code) == []  # (two lines: too short to judge)
+    assert stale_blocks("class A:\n    def rule(self, q):\n        return q[:3]\n", code) == []
+    assert stale_blocks("    class A:\n        def rule(self, q):\n            return q[:3]\n", code) == []  # indented
+    assert stale_blocks("class A:\n    def rule(self, q):\n        return q[:4]\n", code) == ["class A:"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_printed_source_is_the_codes_source(path: Path) -> None:
+    """Every def/class block a committed notebook printed is still in labserver/, verbatim: else re-execute it.
+    Project code is shown one way, ``lab.show_source``."""
+    from labserver.lab.source import package_sources, stale_blocks
+
+    nb = nbformat.reads(path.read_text(), as_version=4)
+    sources = package_sources()
+    stale = [f"cell {n}: {head}" for n, cell in enumerate(nb.cells) if cell.cell_type == "code"
+             for out in cell.get("outputs", [])
+             for head in stale_blocks("".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", "")),
+                                      sources)]
+    assert not stale, f"{path.name} shows source the code no longer has (re-execute those cells): {stale}"
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert "inspect.getsource" not in code, f"{path.name}: show project code with lab.show_source"

@@ -16,7 +16,9 @@ beyond ``serve``, ``run_load_sync`` and the plots lives here:
   rendered from its numbers;
 * ``capacity``, ``time_batches``, ``padded_cost``: the model alone, timed
   (``labserver.experiments.modeltime``, re-exported);
-* ``brief``, ``lag_sawtooth``: what a notebook prints and draws of a run;
+* ``brief``, ``lag_sawtooth``: what a notebook prints and draws of a run; ``show_source``: the code a
+  lesson teaches, printed as the code has it (``labserver.lab.source``; a test checks that a
+  committed notebook's printed source is still the code's);
 * ``simulated_serving``, ``md1_replay_ms``, ``sim_frames``: the virtual clock's runs for the
   notebooks (``labserver.experiments.simulated``, re-exported); ``masked_texts``: fill-mask
   inputs (``labserver.load.prompts``).
@@ -41,6 +43,7 @@ from ..load.prompts import masked_texts
 from ..models.base import device_label
 from .mode import QUICK_ENV, pick, quick_mode
 from .claims import NOISE, Baseline, Claim, baseline, claim, compare, pct, saturated, say, spread, versus
+from .source import show_source
 
 __all__ = [
     "MIN_P99_SAMPLES",
@@ -57,6 +60,7 @@ __all__ = [
     "pct",
     "saturated",
     "say",
+    "show_source",
     "spread",
     "versus",
     "capacity",
