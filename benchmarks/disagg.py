@@ -74,7 +74,7 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
                      "itl_max_ms": float(gaps.max()) if gaps.size else float("nan"),
                      "long_answer_itl_p99_ms": float(np.percentile(itl_ms(r.tokens, long_answers["i"]), 99))
                      if len(long_answers) else float("nan"),
-                     "replicas": {k: {f: v.get(f) for f in ("role", "cores", "prefill_calls", "decode_steps",
+                     "replicas": {k: {f: v.get(f) for f in ("role", "cores", "prefill_calls", "decode_calls",
                                                              "kv_handed_in", "kv_handed_out", "kv_handovers_expired",
                                                              "tokens_generated")}
                                   for k, v in r.replicas.items()}}

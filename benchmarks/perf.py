@@ -237,7 +237,8 @@ def wrk_rps(url: str, connections: int, seconds: float) -> float | None:
     script = HERE / "post.lua"
     script.write_text(f'wrk.method = "POST"\nwrk.body = "{PAYLOAD}"\n'
                       'wrk.headers["Content-Type"] = "text/plain"\n')
-    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{int(seconds)}s", "-s", str(script), url + "/"],
+    whole = max(1, math.ceil(seconds))  # (wrk counts whole seconds: -d0s, from a short smoke run, makes it exit 1)
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{whole}s", "-s", str(script), url + "/"],
                          capture_output=True, text=True, check=True).stdout
     script.unlink()
     return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))

@@ -92,7 +92,7 @@ SSE_TOKEN = b"event: token\n"
 SSE_DONE = b"event: done\n"
 SSE_ERROR = b"event: error\n"
 # "timing" in the JSON answer and in the done event (server clock, ms from the handler's start):
-TIMING_FIELDS = ("queue_ms", "ttft_ms", "server_ms", "steps", "mean_step_batch", "cached_tokens", "preemptions",
+TIMING_FIELDS = ("queue_ms", "ttft_ms", "server_ms", "decode_calls", "mean_decode_batch", "cached_tokens", "preemptions",
                  "prefilled_ms", "transfer_ms")  # (the last two: disaggregated serving's TTFT split, else null)
 
 # -- the OpenAI-compatible API: /v1/* ----------------------------------------------------

@@ -32,12 +32,24 @@ TIMED = ("tests/test_queueing_theory.py", "test_a_compiled_step_of_one_sequence"
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under ``pytest -n`` (``make test``), the tests that start a local Ray run one after another on one
     worker: two Ray instances at once would double the processes each starts on two cores. So do the
-    queueing-theory tests and the test that compiles a step (``TIMED``)."""
+    queueing-theory tests and the test that compiles a step (``TIMED``).
+
+    The long ones go first: the two groups (each runs whole on one worker), then the other notebooks, then the
+    rest. A group handed out last keeps one worker busy long after the other has run out of tests."""
     for item in items:
         if any(part in item.nodeid for part in RAY_TESTS):
             item.add_marker(pytest.mark.xdist_group("ray"))
         elif any(part in item.nodeid for part in TIMED):
             item.add_marker(pytest.mark.xdist_group("timed"))
+
+    def rank(item: pytest.Item) -> int:
+        if any(part in item.nodeid for part in RAY_TESTS):
+            return 0
+        if any(part in item.nodeid for part in TIMED):
+            return 1
+        return 2 if "test_notebook_runs[" in item.nodeid else 3
+
+    items.sort(key=rank)  # (stable: each group keeps its order)
 
 
 @pytest.fixture

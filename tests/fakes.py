@@ -15,6 +15,7 @@ class PlainModel:
 
     name = "plain"
     max_chars = None
+    max_tokens = None
 
     def check(self, text: str) -> None:
         pass
@@ -139,6 +140,7 @@ class SteppedGen:
         self.name, self.note, self.eos_id, self.max_context = "stepped", None, 0, 4096
         self.eos_ids, self.kv_bytes_per_token, self.paged, self.scores = (0,), 0, True, False
         self.vocab_size = self.inner.vocab_size
+        self.device, self.kv_portable = "cpu", True  # (its synthetic inner model's KV copies out and in)
         self.tokenizer = None
         self.calls: list[tuple[str, tuple[int, ...]]] = []
 
@@ -175,6 +177,12 @@ class SteppedGen:
 
     def release(self, seq_ids):  # type: ignore[no-untyped-def]
         self.inner.release(seq_ids)
+
+    def export_kv(self, table, positions):  # type: ignore[no-untyped-def]
+        return self.inner.export_kv(table, positions)
+
+    def import_kv(self, sid, table, start, end, kv):  # type: ignore[no-untyped-def]
+        self.inner.import_kv(sid, table, start, end, kv)
 
     @property
     def cached(self) -> int:

@@ -58,3 +58,40 @@ def test_the_generation_figures_are_in_the_run_they_cite() -> None:
     missing = [f"{m['a']} vs {m['b']}" for m in RATIO.finditer(section)
                if not re.search(rf"\b{re.escape(m['a'])}\d* vs {re.escape(m['b'])}", printed)]
     assert not missing, f"not in results/genperf/cpu.txt: {missing}"
+
+
+# -- the README's figures come from results/ ------------------------------------------------------------------
+
+README_FIGURE = re.compile(r"(?<![\w.`])(\d[\d,]*(?:\.\d+)?)\s?(?:ms|s|x|%|tokens/s|requests/s|GB/s)(?![\w/])")
+
+
+def _readme_parts() -> tuple[str, str]:
+    """(the results block, the prose around it less code: fenced blocks and inline code)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from readme_results import BEGIN, END
+
+    text = (ROOT / "README.md").read_text()
+    assert BEGIN in text and END in text, "README.md has no results block: make readme-results"
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    prose = text[:start] + text[end:]
+    prose = re.sub(r"```.*?```", "", prose, flags=re.S)
+    return text[start:end], re.sub(r"`[^`]*`", "", prose)
+
+
+def test_the_readme_results_block_is_what_results_holds() -> None:
+    """``make readme-results`` wrote it from results/ as they are now, FAIL rows and all."""
+    from readme_results import all_rows, block  # (benchmarks/ on the path: _readme_parts)
+
+    committed, _ = _readme_parts()
+    assert committed == block(), "README.md's results block is stale: run make readme-results"
+    if any(r["result"] == "FAIL" for rows in all_rows().values() for r in rows):
+        assert "| FAIL |" in committed and "FAIL rows of" in committed
+
+
+def test_the_readme_prose_quotes_only_figures_the_block_holds() -> None:
+    block, prose = _readme_parts()
+    numbers = set(re.findall(r"\d[\d,]*(?:\.\d+)?", block))
+    stray = [m.group(0) for m in README_FIGURE.finditer(prose) if m.group(1) not in numbers]
+    assert not stray, f"README.md quotes figures outside its results block (put them there, or leave them out): {stray}"

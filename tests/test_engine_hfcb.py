@@ -14,6 +14,7 @@ from labserver.models.gpt2 import GPT2Gen, gpt2_random
 from labserver.engine.hfcb import PAGE_TOKENS, HFManager
 from labserver.models import ModelError
 from labserver.models.base import generate_alone
+from labserver.engine.ending import FinishReason
 
 WAIT_S = 30.0  # bound on every wait for the manager's thread (it normally takes well under a second)
 
@@ -92,7 +93,7 @@ def test_two_overlapping_requests_stream_greedy_tokens(gen: GPT2Gen, manager: HF
     manager.submit(2, b_ids, 30, True, *b.callbacks())
     a.wait(), b.wait()
     assert (a.error, b.error) == (None, None)
-    assert (len(a.tokens), a.reason, len(b.tokens), b.reason) == (12, "length", 30, "length")
+    assert (len(a.tokens), a.reason, len(b.tokens), b.reason) == (12, FinishReason.LENGTH, 30, FinishReason.LENGTH)
     assert a.calls > 1 and b.calls > 1  # streamed, not delivered at the end
     assert a.tokens == greedy(gen, a_ids, 12) and b.tokens == greedy(gen, b_ids, 30)  # same weights, same argmax
     assert manager.kv_tokens >= 4096
@@ -112,15 +113,15 @@ def test_eos_ends_a_request_unless_ignored(gen: GPT2Gen) -> None:
         stops.wait(), ignores.wait()
     finally:
         m.stop()
-    assert stops.reason == "eos" and stops.tokens == reference[:reference.index(eos) + 1]
-    assert ignores.reason == "length" and ignores.tokens == reference
+    assert stops.reason is FinishReason.EOS and stops.tokens == reference[:reference.index(eos) + 1]
+    assert ignores.reason is FinishReason.LENGTH and ignores.tokens == reference
 
 
 def test_a_prompt_near_the_context_is_cut_to_fit(gen: GPT2Gen, manager: HFManager) -> None:
     ids = [gen.tokenizer.cls_token_id, *range(2000, 2000 + gen.max_context - 4)]  # context - 3 tokens
     s = Sink()
     manager.submit(1, ids, 50, True, *s.callbacks())
-    assert s.wait().reason == "length" and len(s.tokens) == 4  # not 50: positions run out
+    assert s.wait().reason is FinishReason.LENGTH and len(s.tokens) == 4  # not 50: positions run out
     too_long = Sink()
     manager.submit(2, ids * 2, 5, True, *too_long.callbacks())
     assert isinstance(too_long.wait().error, ValueError)  # InputRejected, at once
@@ -134,7 +135,7 @@ def test_a_request_larger_than_the_cache_is_refused_not_fatal(gen: GPT2Gen) -> N
         m.submit(1, gen.encode("a prompt of a few words"), 100, True, *big.callbacks())
         assert isinstance(big.wait().error, ValueError) and "max_kv_tokens" in str(big.error)  # InputRejected
         m.submit(2, gen.encode("a prompt of a few words"), 20, True, *small.callbacks())
-        assert small.wait().reason == "length" and m.alive  # (transformers itself would have stopped)
+        assert small.wait().reason is FinishReason.LENGTH and m.alive  # (transformers itself would have stopped)
     finally:
         m.stop()
 
@@ -146,7 +147,7 @@ def test_cancel_stops_one_request_while_another_completes(gen: GPT2Gen, manager:
     assert long.progress.wait(WAIT_S)
     manager.cancel(1)
     seen = len(long.tokens)
-    assert short.wait().reason == "length" and len(short.tokens) == 40
+    assert short.wait().reason is FinishReason.LENGTH and len(short.tokens) == 40
     scheduler = manager.manager.batch_processor.scheduler  # transformers' own view: it stopped decoding it
     deadline = time.monotonic() + WAIT_S
     while "1" in scheduler.active_requests and time.monotonic() < deadline:

@@ -16,6 +16,7 @@ import pytest
 from labserver.engine import Seq, StepEngine
 from labserver.models import InputRejected, SyntheticGen, load_model
 from labserver.strategies import Limits, make_strategy
+from labserver.engine.ending import FinishReason
 
 from .fakes import SteppedGen
 
@@ -68,7 +69,7 @@ def test_a_preempted_sequence_is_recomputed_over_what_it_already_sent() -> None:
     back = next(st for st in steps[cut:] if victim.sid in st["seqs"])  # its next call: the recompute
     assert not back["decoding"] and back["tokens"] > len(victim.prompt_ids)  # prompt + tokens sent so far
     assert stats["recomputed_tokens"] >= back["tokens"]
-    assert victim.cached_tokens == 0 and victim.finish_reason == "length" and len(victim.tokens) == 40
+    assert victim.cached_tokens == 0 and victim.finish_reason is FinishReason.LENGTH and len(victim.tokens) == 40
 
 
 def test_a_preempted_sequence_the_prefix_cache_restores_to_its_last_token_is_prefilled_again(
@@ -188,7 +189,7 @@ def test_eos_stand_in_ends_answers_early_seeded_per_request() -> None:
     texts = prompts(40)
     seqs, stats, _ = serve(model, texts, [512] * 40, max_batch_size=40, eos_prob=1 / 32)
     lengths = [len(s.tokens) for s in seqs]
-    assert all(s.finish_reason == "length" for s in seqs)  # ignore_eos: the stand-in is EOS, ignored too
+    assert all(s.finish_reason is FinishReason.LENGTH for s in seqs)  # ignore_eos: the stand-in is EOS, ignored too
 
     async def main() -> list[int]:
         e = StepEngine(make_strategy("gen-continuous", Limits(max_batch_size=40, eos_prob=1 / 32)), model)

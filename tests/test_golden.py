@@ -65,7 +65,7 @@ def _gen_case(name: str, prefill: str, prefix: bool, scheduling: str) -> dict[st
         return None  # a prefill rule the strategy does not compose
     run = simulate_gen(strategy, _requests(), prefill_ms=5.0, step_ms=4.0, per_token_ms=0.05, per_seq_ms=0.5)
     steps = [[_round(getattr(s, f)) for f in STEP_FIELDS] for s in run.steps]
-    seqs = [[s.sid, len(s.tokens), s.finish_reason, s.preemptions, s.cached_tokens,
+    seqs = [[s.sid, len(s.tokens), s.finish_reason and s.finish_reason.value, s.preemptions, s.cached_tokens,
              *_round([s.admitted_s, s.first_token_s, s.finished_s, s.future.settled_s])] for s in run.seqs]
     return {"steps": steps, "seqs": seqs}
 

@@ -1,8 +1,9 @@
 """A sequence's KV handed from one step engine to another (``labserver.engine.handover``), without Ray.
 
 Two engines on one event loop play a prefill replica and a decode replica: the prefill
-engine computes the prompt and first token and parks the blocks; ``pull`` copies the KV out
-and gives the blocks back; the decode engine admits the sequence with its KV and decodes on.
+engine computes the prompt and first token and its connector (``HandoverConnector``) parks the
+blocks; ``pull`` copies the KV out and gives the blocks back; the decode engine admits the
+sequence with its KV and decodes on.
 Every answer is compared with the same request answered by one engine alone.
 """
 
@@ -16,7 +17,9 @@ from typing import Any
 import pytest
 
 from labserver.engine import StepEngine
+from labserver.engine import FinishReason
 from labserver.engine.base import ReplicaLost
+from labserver.engine.handover import HandoverConnector
 from labserver.models import Sampling, SyntheticGen, load_model
 from labserver.strategies import Limits, make_strategy
 
@@ -24,8 +27,12 @@ PROMPTS = ["a b c d e f g h i j k", "a b c d e f g h z z", "q w e r t y", "a b c
 
 
 def engines(make: Any, n: int = 3, strategy: str = "gen-continuous", **limits: Any) -> list[StepEngine]:
-    """n engines, each over a model ``make()`` returns."""
-    return [StepEngine(make_strategy(strategy, Limits(**limits)), make()) for _ in range(n)]
+    """n engines, each over a model ``make()`` returns; the first two (prefill, decode) with a HandoverConnector,
+    a third (one engine alone) with none."""
+    out = [StepEngine(make_strategy(strategy, Limits(**limits)), make()) for _ in range(n)]
+    for e in out[:2]:
+        e.connect(HandoverConnector(e))
+    return out
 
 
 @contextlib.asynccontextmanager
@@ -46,11 +53,11 @@ def synthetic() -> SyntheticGen:
 
 async def through(prefill: StepEngine, decode: StepEngine, ids: list[int], n: int, **kw: Any) -> Any:
     """One request the disaggregated way: prefill, pull, then decode from the handed-over KV."""
-    first = await prefill.submit(ids, n, hand_over=True, **kw).future
-    if first.finish_reason != "hand-over":
+    first = await prefill.submit(ids, n, remote_decode=True, **kw).future
+    if first.finish_reason is not FinishReason.HAND_OVER:
         return first
-    handed = await prefill.pull(first.sid)
-    return await decode.submit(ids, n, handed=handed, **kw).future
+    handed = await prefill.connector.pull(first.sid)
+    return await decode.submit(ids, n, kv_transfer=handed, **kw).future
 
 
 def test_handed_over_sequences_answer_as_one_engine_does_and_leave_no_block_behind() -> None:
@@ -60,13 +67,13 @@ def test_handed_over_sequences_answer_as_one_engine_does_and_leave_no_block_behi
             for text in PROMPTS:
                 ids = prefill.model.encode(text)
                 ref = await alone.submit(ids, 12, ignore_eos=True).future
-                parked = await prefill.submit(ids, 12, ignore_eos=True, hand_over=True).future
-                assert parked.finish_reason == "hand-over" and len(parked.tokens) == 1
+                parked = await prefill.submit(ids, 12, ignore_eos=True, remote_decode=True).future
+                assert parked.finish_reason is FinishReason.HAND_OVER and len(parked.tokens) == 1
                 assert prefill.stats()["kv_parked"] == 1 and prefill.blocks.used > 0  # held for the pull
-                handed = await prefill.pull(parked.sid)
+                handed = await prefill.connector.pull(parked.sid)
                 assert prefill.blocks.used == 0 and handed.positions == len(ids)
-                out = await decode.submit(ids, 12, ignore_eos=True, handed=handed).future
-                assert out.tokens == ref.tokens and out.finish_reason == "length"
+                out = await decode.submit(ids, 12, ignore_eos=True, kv_transfer=handed).future
+                assert out.tokens == ref.tokens and out.finish_reason is FinishReason.LENGTH
             stats = decode.stats()
             # the fourth prompt is the first again, and the second shares 8 tokens with it: the decode side's
             # prefix cache held them, so those positions were not written again
@@ -85,10 +92,10 @@ def test_a_first_token_that_ends_the_answer_is_not_parked() -> None:
         prefill, _ = engines(lambda: SyntheticGen(0, 0, eos_after=1), 2)
         async with started(prefill):
             ids = prefill.model.encode("one two three")
-            eos = await prefill.submit(ids, 8, hand_over=True).future
-            one = await prefill.submit(ids, 1, hand_over=True, ignore_eos=True).future
-            assert (eos.finish_reason, one.finish_reason) == ("eos", "length")
-            assert len(prefill.parking) == 0 and prefill.blocks.used == 0
+            eos = await prefill.submit(ids, 8, remote_decode=True).future
+            one = await prefill.submit(ids, 1, remote_decode=True, ignore_eos=True).future
+            assert (eos.finish_reason, one.finish_reason) == (FinishReason.EOS, FinishReason.LENGTH)
+            assert len(prefill.connector.parking) == 0 and prefill.blocks.used == 0
 
     asyncio.run(main())
 
@@ -97,14 +104,15 @@ def test_kv_never_pulled_is_freed_after_the_timeout_and_a_late_pull_is_refused()
     async def main() -> None:
         (prefill,) = engines(synthetic, 1, handover_timeout_s=0.05)
         async with started(prefill):
-            seq = await prefill.submit(prefill.model.encode("x y z"), 5, hand_over=True, ignore_eos=True).future
+            seq = await prefill.submit(prefill.model.encode("x y z"), 5, remote_decode=True, ignore_eos=True).future
             assert prefill.blocks.used == 1
             expired = asyncio.get_running_loop().create_future()
-            prefill.parking.expired = lambda s: (prefill._expired(s), expired.set_result(s))
+            connector = prefill.connector
+            connector.parking.expired = lambda s: (connector._expired(s), expired.set_result(s))
             assert await asyncio.wait_for(expired, 5) is seq
             assert prefill.blocks.used == 0 and prefill.stats()["kv_handovers_expired"] == 1
             with pytest.raises(ReplicaLost, match="no longer holds"):
-                await prefill.pull(seq.sid)
+                await prefill.connector.pull(seq.sid)
 
     asyncio.run(main())
 
@@ -113,10 +121,10 @@ def test_a_pull_is_served_once() -> None:
     async def main() -> None:
         (prefill,) = engines(synthetic, 1)
         async with started(prefill):
-            seq = await prefill.submit(prefill.model.encode("x y z"), 5, hand_over=True, ignore_eos=True).future
-            await prefill.pull(seq.sid)
+            seq = await prefill.submit(prefill.model.encode("x y z"), 5, remote_decode=True, ignore_eos=True).future
+            await prefill.connector.pull(seq.sid)
             with pytest.raises(ReplicaLost):
-                await prefill.pull(seq.sid)
+                await prefill.connector.pull(seq.sid)
 
     asyncio.run(main())
 
@@ -144,10 +152,10 @@ def test_a_hand_over_that_does_not_fit_the_decode_model_fails_alone() -> None:
         prefill, decode = engines(synthetic, 2, max_batch_size=4)
         async with started(prefill, decode):
             ids = prefill.model.encode("a b c d e f")
-            parked = await prefill.submit(ids, 6, hand_over=True, ignore_eos=True).future
-            handed = await prefill.pull(parked.sid)
+            parked = await prefill.submit(ids, 6, remote_decode=True, ignore_eos=True).future
+            handed = await prefill.connector.pull(parked.sid)
             short = type(handed)(handed.first, handed.positions, handed.kv[:2])  # (a copy of 2 positions, not 6)
-            bad = decode.submit(ids, 6, handed=short, ignore_eos=True)
+            bad = decode.submit(ids, 6, kv_transfer=short, ignore_eos=True)
             good = decode.submit(prefill.model.encode("g h i"), 4, ignore_eos=True)
             with pytest.raises(Exception, match="does not fit"):
                 await bad.future
@@ -199,6 +207,8 @@ def test_smollm2_handed_over_answers_as_one_engine_with_logprobs_seeds_and_stop_
     async def disaggregated() -> list[Any]:
         prefill = StepEngine(make_strategy("gen-continuous", Limits(**kw)), model_p)
         decode = StepEngine(make_strategy("gen-continuous", Limits(**kw)), model_d)
+        for e in (prefill, decode):
+            e.connect(HandoverConnector(e))
         async with started(prefill, decode):
             outs = [await through(prefill, decode, ids, 12, sampling=s, stop=stop, ignore_eos=True)
                     for s, stop in asks]
@@ -212,7 +222,7 @@ def test_smollm2_handed_over_answers_as_one_engine_with_logprobs_seeds_and_stop_
     refs, outs = asyncio.run(alone()), asyncio.run(disaggregated())
     for ref, out in zip(refs, outs, strict=True):
         assert out.tokens == ref.tokens and out.finish_reason == ref.finish_reason
-    assert refs[2].finish_reason == "stop"
+    assert refs[2].finish_reason is FinishReason.STOP
     assert [lp.token for lp in outs[0].logprobs] == outs[0].tokens
     assert [round(lp.logprob, 4) for lp in outs[0].logprobs] == [round(lp.logprob, 4) for lp in refs[0].logprobs]
 

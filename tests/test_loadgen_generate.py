@@ -36,7 +36,7 @@ from .test_analysis import make_records
 from .test_loadgen import assert_record_shape, listening_socket
 
 FAST = dict(process=False, progress=False, mode="generate")
-TIMING = {"queue_ms": 1.5, "ttft_ms": 2.5, "server_ms": 7.25, "steps": 3, "mean_step_batch": 1.0}
+TIMING = {"queue_ms": 1.5, "ttft_ms": 2.5, "server_ms": 7.25, "decode_calls": 3, "mean_decode_batch": 1.0}
 HEADER_QUEUE_MS = "9.5"  # differs from TIMING's, so a test can tell which one a column holds
 
 

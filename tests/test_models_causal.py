@@ -28,6 +28,7 @@ from labserver.models import Chunk, InputRejected, ModelLoadError, kind_of, load
 from labserver.models.folders import FAMILIES, kv_bytes_per_token
 from labserver.models.paged import PagedLM, TransformersOnly
 from labserver.strategies import Limits, make_strategy
+from labserver.engine.ending import FinishReason
 
 from .test_engine_paged import prompts, serve
 from .test_models_gpt2 import Tracker
@@ -199,8 +200,8 @@ def test_the_folders_eos_ends_answers_and_ignore_eos_only_keeps_going(models: di
         stops, goes_on = asyncio.run(main())
     finally:
         model.eos_id, model.eos_ids = saved
-    assert stops.tokens == greedy[:3] and stops.finish_reason == "eos"  # the EOS token is emitted, then it ends
-    assert goes_on.tokens == greedy and goes_on.finish_reason == "length"  # vLLM's ignore_eos: EOS may appear
+    assert stops.tokens == greedy[:3] and stops.finish_reason is FinishReason.EOS  # the EOS token is emitted, then it ends
+    assert goes_on.tokens == greedy and goes_on.finish_reason is FinishReason.LENGTH  # vLLM's ignore_eos: EOS may appear
 
 
 def test_gqa_holds_four_times_the_sequences_in_the_same_kv_bytes(models: dict[str, PagedLM]) -> None:

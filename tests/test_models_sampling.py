@@ -11,6 +11,7 @@ from labserver.engine import StepEngine
 from labserver.models import GREEDY, Sampling, SyntheticGen, load_model
 from labserver.models.sampling import choose
 from labserver.strategies import Limits, make_strategy
+from labserver.engine.ending import FinishReason
 
 
 def scores(rows: int = 3, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -76,15 +77,15 @@ def test_a_stop_string_ends_the_sequence_with_stop() -> None:
     tokens, reason = generate(model, "a b c", 20)
     third = model.token_text(tokens[2]).strip()
     stopped, reason = generate(model, "a b c", 20, stop=[third])
-    assert reason == "stop" and stopped == tokens[:3]
+    assert reason is FinishReason.STOP and stopped == tokens[:3]
 
 
 def test_min_tokens_holds_eos_back() -> None:
     model = SyntheticGen(0, 0, eos_after=3)
     early, reason = generate(model, "a b", 20)
-    assert reason == "eos" and len(early) == 3 and early[-1] == model.eos_id
+    assert reason is FinishReason.EOS and len(early) == 3 and early[-1] == model.eos_id
     late, reason = generate(model, "a b", 20, min_tokens=8)
-    assert reason == "eos" and len(late) == 9 and model.eos_id not in late[:8]
+    assert reason is FinishReason.EOS and len(late) == 9 and model.eos_id not in late[:8]
 
 
 def test_gpt2_seeded_sampling_is_reproducible_and_greedy_unchanged() -> None:

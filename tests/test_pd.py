@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from labserver.routing.pd import (DECODE_HEAVY, LINKS, MIXED, PREFILL_HEAVY, PDCosts, Workload, _Cluster,
+from labserver.routing.pd import (DECODE_HEAVY, LINKS, MIXED, PREFILL_HEAVY, PDCosts, Role, Workload, _Cluster,
                                   simulate_colocated, simulate_disaggregated)
 from labserver.routing.pd_search import SLO, best_split, capacity, default_splits, goodput
 
@@ -21,7 +21,7 @@ QUIET = 0.02  # req/s: each request has the cluster to itself (decode-heavy answ
 def trace(kinds: tuple[list[str], list[str]], arrival: list[float], prompt: list[int], output: list[int],
           costs: PDCosts = COSTS) -> dict[str, list[float]]:
     cluster = _Cluster(costs, arrival, prompt, output)
-    cluster.run(*kinds)
+    cluster.run(*([Role(k) for k in tier] for tier in kinds))
     return cluster.rec
 
 

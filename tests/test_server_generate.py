@@ -63,7 +63,7 @@ def test_json_answer(gen: labserver.ServerHandle) -> None:
     assert body["note"].startswith("synthetic")
     timing = body["timing"]
     assert set(timing) == set(wire.TIMING_FIELDS)
-    assert 0 <= timing["queue_ms"] <= timing["ttft_ms"] <= timing["server_ms"] and timing["steps"] == 6
+    assert 0 <= timing["queue_ms"] <= timing["ttft_ms"] <= timing["server_ms"] and timing["decode_calls"] == 6
     assert r.headers[wire.HEADER_REQUEST_ID] and float(r.headers[wire.HEADER_SERVER_MS]) >= timing["ttft_ms"]
 
 

@@ -11,6 +11,7 @@ from labserver.strategies import STRATEGIES, Limits
 from labserver.strategies import make_strategy, strategy_names
 from labserver.strategies.steps import PREFILLS
 from labserver.engine.gensim import GenSimRun, simulate_gen
+from labserver.engine.ending import FinishReason
 
 LOCAL = ["gen-naive", "gen-static", "gen-continuous", "gen-paged"]  # the ones with a step log (gen-hf-cb runs transformers)
 
@@ -26,7 +27,7 @@ def mixed(n: int = 24, span_s: float = 2.0, seed: int = 0) -> list[tuple[float, 
             zip(np.sort(rng.uniform(0, span_s, n)), rng.integers(4, 40, n), rng.integers(16, 257, n))]
 
 
-def decode_steps(run: GenSimRun) -> list:
+def decode_calls(run: GenSimRun) -> list:
     return [s for s in run.steps if len(s.decoding) == len(s.seqs)]
 
 
@@ -42,11 +43,11 @@ def test_every_request_gets_exactly_its_tokens(name: str) -> None:
     requests = mixed()
     run = sim(name, requests, max_batch_size=8)
     assert [len(s.tokens) for s in run.seqs] == [k for _, _, k in requests]
-    assert all(s.finish_reason == "length" and s.future.done() and s.future.error is None for s in run.seqs)
+    assert all(s.finish_reason is FinishReason.LENGTH and s.future.done() and s.future.error is None for s in run.seqs)
     # each sequence is in exactly one prefill and in (its tokens - 1) decode steps while generating
     for s in run.seqs:
         assert sum(s.sid in step.seqs for step in run.steps if not step.decoding) == 1
-        working = [st for st in decode_steps(run) if s.sid in st.seqs and s.sid not in st.idle]
+        working = [st for st in decode_calls(run) if s.sid in st.seqs and s.sid not in st.idle]
         assert len(working) == len(s.tokens) - 1
 
 
@@ -54,7 +55,7 @@ def test_every_request_gets_exactly_its_tokens(name: str) -> None:
 @pytest.mark.parametrize("cap, kv", [(4, None), (32, 600), (8, 2000)])
 def test_caps_are_respected(name: str, cap: int, kv: int | None) -> None:
     run = sim(name, mixed(40), max_batch_size=cap, max_kv_tokens=kv)
-    assert max(len(s.seqs) for s in decode_steps(run)) <= cap
+    assert max(len(s.seqs) for s in decode_calls(run)) <= cap
     if kv is not None:
         if name != "gen-paged":  # the reserving rules: prompt + max_new_tokens of all running fit the budget
             assert max(s.kv_reserved for s in run.steps) <= kv
@@ -77,7 +78,7 @@ def test_continuous_joins_at_the_next_step_boundary() -> None:
     boundary = min(s.end_s for s in run.steps if s.end_s >= late.enqueued_s)
     assert late.admitted_s == pytest.approx(boundary)  # prefilled right after the step it arrived during
     prefill = next(s for s in run.steps if not s.decoding and late.sid in s.seqs)
-    after = [s for s in decode_steps(run) if s.start_s >= prefill.end_s][0]
+    after = [s for s in decode_calls(run) if s.start_s >= prefill.end_s][0]
     assert set(after.seqs) == {1, 2}  # merged into the running batch at once
     # the long one kept decoding: it waited one prefill, not for the newcomer's whole generation
     assert run.seqs[0].finished_s < 0.02 + 100 * 0.01 + 0.02 + 0.001
@@ -90,8 +91,8 @@ def test_continuous_leaves_at_once_static_holds_until_the_longest() -> None:
     assert short_c.finished_s == pytest.approx(short_s.finished_s)  # same steps until it is done
     # continuous: answered as it finishes and in no step after; static: computed as padding and held
     assert short_c.future.settled_s == pytest.approx(short_c.finished_s)
-    assert not any(short_c.sid in s.seqs for s in decode_steps(cont) if s.start_s >= short_c.finished_s)
-    idle_steps = [s for s in decode_steps(static) if short_s.sid in s.idle]
+    assert not any(short_c.sid in s.seqs for s in decode_calls(cont) if s.start_s >= short_c.finished_s)
+    idle_steps = [s for s in decode_calls(static) if short_s.sid in s.idle]
     assert len(idle_steps) == 40  # 50 - 10 steps computed for nobody
     assert short_s.future.settled_s == pytest.approx(static.seqs[1].finished_s)
 
@@ -117,8 +118,8 @@ def test_static_uses_the_deadline_rule() -> None:
 def test_continuous_beats_static_on_mixed_lengths() -> None:
     requests = mixed(48, span_s=10.0)  # 4.8 requests/s: about what static batches of 8 can carry here
     static, cont = sim("gen-static", requests, max_batch_size=8), sim("gen-continuous", requests, max_batch_size=8)
-    assert sum(len(s.idle) for s in decode_steps(static)) > 0
-    assert sum(len(s.idle) for s in decode_steps(cont)) == 0
+    assert sum(len(s.idle) for s in decode_calls(static)) > 0
+    assert sum(len(s.idle) for s in decode_calls(cont)) == 0
     assert cont.steps[-1].end_s < 0.75 * static.steps[-1].end_s  # the same work, much sooner
     ttft = {name: np.percentile([(s.first_token_s - s.enqueued_s) for s in run.seqs], 90)
             for name, run in (("static", static), ("cont", cont))}
@@ -167,7 +168,7 @@ def test_paging_runs_more_sequences_in_the_same_memory() -> None:
     reserved, paged = sim("gen-continuous", eos_requests(), **limits), sim("gen-paged", eos_requests(), **limits)
     assert [len(s.tokens) for s in paged.seqs] == [len(s.tokens) for s in reserved.seqs]  # the same answers
     assert 64 < np.mean([len(s.tokens) for s in paged.seqs]) < 192  # asked 512, stopped near 128
-    size = {name: np.mean([len(s.seqs) for s in decode_steps(run)]) for name, run in (("r", reserved), ("p", paged))}
+    size = {name: np.mean([len(s.seqs) for s in decode_calls(run)]) for name, run in (("r", reserved), ("p", paged))}
     assert size["p"] > 2 * size["r"]  # reservation holds 4096 / (40 + 512): about 7
     assert paged.steps[-1].end_s < 0.6 * reserved.steps[-1].end_s
     assert reserved.stats["preemptions"] == 0 < paged.stats["preemptions"]

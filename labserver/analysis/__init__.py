@@ -24,7 +24,7 @@ from .summary import PERCENTILE_METHOD, PERCENTILES, summarize, summarize_runs, 
 from .sweep import SweepResult, sweep
 from .theory import (busy_cycles_ms, capacity_rps, md1_mean_response_ms, mg1_mean_response_ms, mm1_mean_response_ms,
                      mm1_response_quantile_ms, utilization)
-from .tokens import combine_tokens, decode_steps, gen_summary, itl_ms
+from .tokens import combine_tokens, decode_calls, gen_summary, itl_ms
 from .trust import MIN_P99_SAMPLES, enough, late_matters, trusted
 
 __all__ = [
@@ -43,7 +43,7 @@ __all__ = [
     "padding_share",
     "combine",
     "combine_tokens",
-    "decode_steps",
+    "decode_calls",
     "gen_summary",
     "itl_ms",
     "md1_mean_response_ms",

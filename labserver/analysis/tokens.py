@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-__all__ = ["GEN_PERCENTILES", "combine_tokens", "decode_steps", "gen_summary", "has_generation", "itl_ms",
+__all__ = ["GEN_PERCENTILES", "combine_tokens", "decode_calls", "gen_summary", "has_generation", "itl_ms",
            "tokens_of_run"]
 
 GEN_PERCENTILES: dict[str, tuple[float, ...]] = {"ttft": (50.0, 90.0, 99.0), "tpot": (50.0, 99.0),
@@ -30,7 +30,7 @@ GEN_PERCENTILES: dict[str, tuple[float, ...]] = {"ttft": (50.0, 90.0, 99.0), "tp
 _METHOD = "linear"  # as summary.PERCENTILE_METHOD
 
 
-def decode_steps(steps: pd.DataFrame) -> pd.DataFrame:
+def decode_calls(steps: pd.DataFrame) -> pd.DataFrame:
     """The decode steps of a step log (``StepEngine.step_log``, ``GenSimRun.frames``): the calls in which every
     sequence computed one token of its answer (no prompt, no piece of one)."""
     def count(v: Any) -> int:

@@ -18,13 +18,13 @@ __all__ = ["add_compare", "add_plot", "cmd_compare", "cmd_plot"]
 def add_compare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", help="the main job: every strategy, same load, table + results/ + plots")
     p.add_argument("--task", default="encode", choices=["encode", "generate"],
-                   help="encode: the encoder strategies on minilm; generate: the gen-* strategies on gpt2-random")
+                   help="encode: the encoder strategies on minilm; generate: the gen-* strategies on smollm2")
     p.add_argument("--quick", action="store_true", help="about 2 minutes instead of about 7 (encode)")
     p.add_argument("--strategies", help="comma-separated (default: every strategy of the task)")
     p.add_argument("--model", default=None, help="(default: minilm, the embedded model)")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda", "mps"])
     p.add_argument("--rates", help="comma-separated offered req/s (default: 50,100,150,250,350, quick: 50,250; "
-                                   "generate: 0.15,0.3,0.6, quick: 5,20)")
+                                   "generate: 0.2,0.6,1.5, quick: 0.5,2)")
     p.add_argument("--duration", type=float, default=None, help="measured seconds per run")
     p.add_argument("--max-batch", type=int, default=None, help="(default: 64)")
     p.add_argument("--slo-ms", type=float, default=None, help="goodput SLO (default: 500; generate: TTFT, 2000)")

@@ -28,14 +28,17 @@ from typing import Any
 from ..strategies import GenHFContinuous, GenStrategy, Strategy
 from .base import EngineBase, Expired, Overloaded, ReplicaLost, ShuttingDown, WorkerDied
 from .batch import BatchEngine, BatchRecord, Item
+from .connector import KVConnector
+from .ending import FinishReason, Status
 from .genbase import GenEngine
 from .hfcb import HFEngine
-from .scheduler import Scheduler, StepRecord
+from .scheduler import Scheduler, CallRecord
 from .sequence import Seq
 from .step import StepEngine
 
-__all__ = ["ENGINES", "BatchEngine", "BatchRecord", "EngineBase", "Expired", "GenEngine", "HFEngine", "Item", "Overloaded",
-           "ReplicaLost", "Scheduler", "Seq", "ShuttingDown", "StepEngine", "StepRecord", "WorkerDied", "make_engine"]
+__all__ = ["ENGINES", "BatchEngine", "BatchRecord", "EngineBase", "Expired", "FinishReason", "GenEngine", "HFEngine",
+           "Item", "KVConnector", "Overloaded", "ReplicaLost", "Scheduler", "Seq", "ShuttingDown", "Status", "StepEngine",
+           "CallRecord", "WorkerDied", "make_engine"]
 
 # strategy class -> the engine its rules run on; a subclass runs on its nearest base's engine
 ENGINES: dict[type[Strategy], type[EngineBase]] = {

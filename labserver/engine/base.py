@@ -36,6 +36,7 @@ from ..strategies import Strategy
 from .counters import Metric, count, gauge, metrics_of, tally
 from .line import Line
 from .modelthread import ModelThread, WorkerDied, settle
+from .ending import FinishReason
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class ItemQueue:
     reads ``waiting()`` and ``take``s the ones it picked.
     """
 
-    def __init__(self, on_skip: Callable[[], None] = lambda: None, discipline: Any = None,
+    def __init__(self, on_skip: Callable[[Any], None] = lambda item: None, discipline: Any = None,
                  on_shed: Callable[[Any, str], None] = lambda item, why: None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.line = Line(discipline, on_shed, clock())
@@ -120,8 +121,8 @@ class ItemQueue:
         """Drop the gone (counted): from the ends of each class, where the next pick comes from, or
         ``everywhere``; then let the discipline shed."""
         dead = lambda item: item.future.done()  # noqa: E731
-        for _ in range(self.line.remove_if(dead) if everywhere else self.line.prune_ends(dead)):
-            self._on_skip()
+        for item in self.line.remove_if(dead) if everywhere else self.line.prune_ends(dead):
+            self._on_skip(item)
         self.line.shed(self.clock())
 
     def waiting(self) -> list[Any]:
@@ -149,7 +150,7 @@ class ItemQueue:
             self._prune()
             item = self.line.pop(self.clock())
             if item is not None and item.future.done():  # gone from the middle of a class: skip it
-                self._on_skip()
+                self._on_skip(item)
                 continue
             if item is not None:
                 return item
@@ -219,15 +220,16 @@ class EngineBase:
     async def ready(self) -> None:
         """Return once the engine can serve, after ``start`` (here at once); raise ModelLoadError if it never will."""
 
-    def _skipped(self) -> None:
+    def _skipped(self, item: Any) -> None:
+        """A queued request whose client left, dropped unrun."""
         self.counters.skipped_client_gone += 1
+        self.end(item, FinishReason.ABORT)
 
     def _shed(self, item: Any, why: str) -> None:
         """The discipline refused a waiting request: 503 now, with its reason."""
         self.counters.shed[why] += 1
-        if not item.future.done():
-            item.future.set_exception(Overloaded(f"shed by the {why} queue discipline: it waited too long while "
-                                                 "a queue stood; retry later", why))
+        self.end(item, FinishReason.SHED, Overloaded(f"shed by the {why} queue discipline: it waited too long "
+                                                      "while a queue stood; retry later", why))
 
     @property
     def kind(self) -> str:
@@ -247,7 +249,7 @@ class EngineBase:
         end_s = self.clock() + grace_s
         while (len(self.queue) or self.in_flight) and self.clock() < end_s and self.dead is None:
             await asyncio.sleep(0.005)
-        self.fail(self.queue.drain(), ShuttingDown("server is shutting down; retry elsewhere"))
+        self.end_all(self.queue.drain(), FinishReason.ABORT, ShuttingDown("server is shutting down; retry elsewhere"))
         self.cut_short()
 
     def cut_short(self) -> None:
@@ -275,12 +277,16 @@ class EngineBase:
         if self.dead is None:
             logger.critical("labserver worker is gone; answering 503 from now on: %s", err)
         self.dead = err
-        self.fail(self.queue.drain() + self.in_flight, WorkerDied(str(err)))
+        self.end_all(self.queue.drain() + self.in_flight, FinishReason.ERROR, WorkerDied(str(err)))
 
-    @staticmethod
-    def fail(waiters: list[Waiter], err: BaseException) -> None:
-        for w in waiters:
-            settle(w.future, None, err)
+    def end(self, item: Any, reason: FinishReason, error: BaseException | None = None) -> None:
+        """A request ends unanswered (``reason``: why; ``error``: what its client gets). An encoder item's future is
+        settled; a generation engine's ``end`` is where every sequence ends, answered or not (``GenEngine.end``)."""
+        settle(item.future, None, error)
+
+    def end_all(self, items: list[Any], reason: FinishReason, error: BaseException) -> None:
+        for item in items:
+            self.end(item, reason, error)
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run fn on the model thread (inline when there is none: the model on the loop, or a virtual clock)."""
@@ -318,10 +324,10 @@ class EngineBase:
         keep = []
         for w in waiting:
             if w.future.done():
-                self.counters.skipped_client_gone += 1
+                self._skipped(w)
             elif w.deadline_s < now:
                 self.counters.expired_in_queue += 1
-                w.future.set_exception(Expired(why_expired))
+                self.end(w, FinishReason.EXPIRED, Expired(why_expired))
             else:
                 keep.append(w)
         return keep

@@ -25,6 +25,7 @@ from ..models import Model
 from ..strategies import BatchCost, Strategy
 from .base import Counters, EngineBase, ShuttingDown
 from .counters import count, sizes, tally
+from .ending import FinishReason
 from .modelthread import WorkerDied, isolating_steps, let_loop_run, run_isolating, settle
 
 __all__ = ["BatchCounters", "BatchEngine", "BatchRecord", "Item", "expected_wait_ms"]
@@ -160,10 +161,11 @@ class BatchEngine(EngineBase):
                         break
                     await let_loop_run()
         except asyncio.CancelledError:
-            self.fail(items, ShuttingDown("server stopped during compute"))
+            self.end_all(items, FinishReason.ABORT, ShuttingDown("server stopped during compute"))
             raise
         except BaseException as e:  # not a model error (those come back as results): the worker dies
-            self.fail(items, e if isinstance(e, WorkerDied) else WorkerDied(f"{type(e).__name__}: {e}"))
+            self.end_all(items, FinishReason.ERROR, e if isinstance(e, WorkerDied) else
+                         WorkerDied(f"{type(e).__name__}: {e}"))
             raise
         finally:
             self.in_flight = []

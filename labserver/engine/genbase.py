@@ -21,6 +21,7 @@ from ..models import GREEDY, GenModel, InputRejected, Logprob, ModelLoadError, S
 from .base import Counters, EngineBase, ShuttingDown
 from .counters import Histogram, Metric, count, gauge, histogram, tally
 from .output import Detokenizer
+from .ending import FinishReason
 from .sequence import EosStandIn, Request, Seq
 
 __all__ = ["GenCounters", "GenEngine", "kv_budget_tokens"]
@@ -54,8 +55,9 @@ def one_two_five(most: int) -> tuple[int, ...]:
 class GenCounters(Counters):
     requests_prefilled: int = count("Sequences whose prompt was computed (their first token made)")
     tokens_generated: int = count("Tokens generated for clients", peer="vllm:generation_tokens")
-    finished: Counter[str] = tally("Sequences answered, by finish reason (length, eos, stop)", "reason",
-                                   peer="vllm:request_success")
+    finished: Counter[str] = tally("Sequences answered, by finish reason (length, eos, stop, hand-over)", "reason")
+    endings: Counter[str] = tally("Sequences ended, by finish reason: answered, aborted (the client left, a drain), "
+                                  "failed (error), expired or shed", "reason", peer="vllm:request_success")
     left_while_generating: int = count("Sequences dropped mid-generation: their client left")
     prefill_reasons: Counter[str] = tally("Admissions by why they happened (start, join, single, full, ...)",
                                           "reason")
@@ -101,9 +103,15 @@ class GenCounters(Counters):
         elif now != seq.last_token_s:  # (a verification's several tokens: one gap, as vLLM counts one per step)
             self.inter_token_latency_s.observe(now - seq.last_token_s)
 
-    def answered(self, seq: Seq) -> None:
-        """``seq`` is answered (its finish reason and end time set): its reason counted, its times and sizes."""
-        self.finished[seq.finish_reason or "?"] += 1
+    def count_ending(self, seq: Seq) -> None:
+        """``seq`` ended (``GenEngine.end``: its finish reason and end time set): its reason; if answered, its times
+        and sizes."""
+        reason = seq.finish_reason
+        assert reason is not None  # (settled: every ending has its reason)
+        self.endings[reason.value] += 1
+        if not reason.answered:
+            return
+        self.finished[reason.value] += 1
         decode = seq.finished_s - seq.first_token_s
         for hist, value in ((self.e2e_latency_s, seq.finished_s - seq.enqueued_s),
                             (self.queue_time_s, seq.admitted_s - seq.enqueued_s),
@@ -178,7 +186,20 @@ class GenEngine(EngineBase):
         """Tokens one sequence may hold here (prompt + output): the model's context (``/v1/models`` says it)."""
         return int(self.model.max_context)
 
-    hands_over = False  # it can end a sequence after its prompt and hand its KV on, or go on from one (StepEngine)
+    connector: Any = None  # a KV connector (``labserver.engine.connector``) when KV crosses engines, else None
+
+    def end(self, seq: Seq, reason: FinishReason, error: BaseException | None = None) -> None:
+        """Every way a sequence ends comes here, once: its reason and end time recorded, its stream woken, its future
+        settled (with itself when answered, else ``error``), its blocks and KV let go (``let_go``: the engine's,
+        a KV connector may keep them), the ending counted. A second ending of the same sequence is nothing."""
+        if seq.settled:
+            return
+        seq.settle(reason, self.clock(), error)
+        self.let_go(seq)
+        self.counters.count_ending(seq)
+
+    def let_go(self, seq: Seq) -> None:
+        """What the engine held of an ended sequence: its place in the running batch, its blocks, its KV."""
 
     @property
     def scores(self) -> bool:
@@ -187,20 +208,21 @@ class GenEngine(EngineBase):
 
     def submit(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False, request_id: str = "",
                sampling: Sampling | None = None, stop: Sequence[str] = (), min_tokens: int = 0, priority: int = 0,
-               tenant: str = "", parent: Seq | None = None, cache_salt: str = "", hand_over: bool = False,
-               handed: Any = None) -> Seq:
+               tenant: str = "", parent: Seq | None = None, cache_salt: str = "", remote_decode: bool = False,
+               kv_transfer: Any = None) -> Seq:
         """Queue one sequence. Raises InputRejected (too long), Overloaded, ShuttingDown or WorkerDied.
 
         ``sampling`` None is greedy; ``stop`` strings end it early ("stop"); EOS cannot end it
         before ``min_tokens`` (the model never chooses EOS before then). ``parent``: another
         choice of the same request (n > 1), the first, whose prompt blocks this one may share.
         ``cache_salt``: only sequences with the same salt share prefix-cache blocks ("": no salt).
-        ``hand_over``: end it after its first token and keep its KV for a decode replica; ``handed``: a
-        ``Handover``, its prompt's KV and first token from a prefill replica (``labserver.engine.handover``).
+        Through the engine's KV connector (vLLM's ``kv_transfer_params``): ``remote_decode``, end it
+        after its first token with its KV kept for another engine; ``kv_transfer``, what another
+        engine made of it (its prompt's KV and first token), which the connector writes when it is admitted.
         """
-        if (hand_over or handed is not None) and not self.hands_over:
-            raise InputRejected(f"{self.strategy.name} with {self.model.name} cannot hand a sequence's KV over "
-                                "between replicas (disaggregated serving needs gen-continuous or gen-paged)")
+        if (remote_decode or kv_transfer is not None) and self.connector is None:
+            raise InputRejected(f"{self.strategy.name} with {self.model.name} has no KV connector: its KV cannot "
+                                "cross engines (disaggregated serving needs gen-continuous or gen-paged)")
         self.check(prompt_ids, max_new_tokens, sampling, stop, min_tokens)
         self.admit_or_refuse(1)
         now = self.clock()
@@ -208,17 +230,18 @@ class GenEngine(EngineBase):
             sampling = replace(sampling or GREEDY, eos_from=len(prompt_ids) + min_tokens)
         seed = hash((tuple(prompt_ids), sampling.seed if sampling else None))  # its EOS stand-in: per request
         request = Request(prompt_ids, max_new_tokens, now, ignore_eos, request_id, sampling, tuple(stop), min_tokens,
-                          priority, tenant, seed, cache_salt, hand_over)
+                          priority, tenant, seed, cache_salt, remote_decode)
         seq = Seq(next(self._sids), request, asyncio.get_running_loop().create_future(), self.deadline_s(now),
-                  parent=parent, output=Detokenizer(self.model.text, stop), handed=handed)
-        if handed is not None:
-            seq.prompt_logprobs[:] = handed.prompt_logprobs
+                  parent=parent, output=Detokenizer(self.model.text, stop))
+        if kv_transfer is not None:
+            self.connector.accept(seq, kv_transfer)
         self.queue.put([seq])
         return seq
 
     def cut_short(self) -> None:
         """After a drain, the sequences still generating are cut short (503, or an error event mid-stream)."""
-        self.fail(list(self.running), ShuttingDown("server is shutting down; generation stopped"))
+        self.end_all(list(self.running), FinishReason.ABORT, ShuttingDown("server is shutting down; generation "
+                                                                          "stopped"))
 
     def metrics(self) -> list[Metric]:
         return [*super().metrics(), gauge("running", "Sequences in the running batch", len(self.running),

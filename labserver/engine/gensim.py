@@ -58,7 +58,7 @@ class GenVirtualQueue(VirtualQueue):
 
 @dataclass
 class GenSimRun:
-    steps: list[Any]  # StepRecord per model call
+    steps: list[Any]  # CallRecord per model call
     seqs: list[Any]  # Seq per request: enqueued_s, admitted_s, first_token_s, finished_s, future.settled_s
     stats: dict[str, Any] = field(default_factory=dict)  # the engine's /stats at the end (preemptions, kv_blocks ...)
 

@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 from ..models import InputRejected, ModelError, ModelLoadError, Sampling, on_fresh_thread
 from ..strategies import Admission, GenStrategy
 from .genbase import GenCounters, GenEngine, kv_budget_tokens
+from .ending import FinishReason
 from .sequence import Seq
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ _PROBE_TIMEOUT_S = 120.0  # longest wait for the startup probe's one token, s
 class _Request:
     limit: int  # tokens it may generate (max_new_tokens, capped by the model's context)
     on_tokens: Callable[[list[int]], None]
-    on_done: Callable[[str], None]
+    on_done: Callable[[FinishReason], None]
     on_error: Callable[[Exception], None]
     sent: int = 0  # tokens already passed to on_tokens
 
@@ -171,7 +172,7 @@ class HFManager:
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, seq_id: int, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool,
-               on_tokens: Callable[[list[int]], None], on_done: Callable[[str], None],
+               on_tokens: Callable[[list[int]], None], on_done: Callable[[FinishReason], None],
                on_error: Callable[[Exception], None]) -> None:
         """Hand one request to the manager. Errors found here call on_error at once, on this thread."""
         rid = str(seq_id)
@@ -236,7 +237,8 @@ class HFManager:
             if new:
                 self._call(out.request_id, req.on_tokens, new)
             if out.status == RequestStatus.FINISHED:  # length first, as labserver.engine.step.Seq.emit decides
-                self._call(out.request_id, req.on_done, "length" if req.sent >= req.limit else "eos")
+                self._call(out.request_id, req.on_done,
+                           FinishReason.LENGTH if req.sent >= req.limit else FinishReason.EOS)
 
     def _fail_all(self, error: BaseException | None) -> None:
         with self._lock:
@@ -280,6 +282,7 @@ class HFEngine(GenEngine):
         self._room = asyncio.Event()  # set whenever one leaves
         self._started = asyncio.Event()  # set once the manager has made its probe's token, or failed to
         self._start_error: ModelLoadError | None = None
+        self._manager: HFManager | None = None  # once started: the manager the sequences are handed to
 
     @property
     def running(self) -> list[Seq]:
@@ -348,19 +351,17 @@ class HFEngine(GenEngine):
         def on_tokens(tokens: list[int]) -> None:
             loop.call_soon_threadsafe(self._tokens, seq, tokens)
 
-        def on_done(reason: str) -> None:
+        def on_done(reason: FinishReason) -> None:
             loop.call_soon_threadsafe(self._done, seq, reason, None)
 
         def on_error(err: Exception) -> None:
             loop.call_soon_threadsafe(self._done, seq, None, err)
 
-        def left(_: object) -> None:  # client gone, 504 or shutdown: stop decoding it
-            if not seq.finished:
-                manager.cancel(seq.sid)
-                self._done(seq, None, None)
-            self._room.set()
+        def left(_: object) -> None:  # the client gone (its future cancelled): it ends here too
+            self._done(seq, None, None)
 
         seq.admitted_s = self.clock()
+        self._manager = manager
         self.in_flight.append(seq)
         self.counters.requests_prefilled += 1
         seq.future.add_done_callback(left)
@@ -374,16 +375,23 @@ class HFEngine(GenEngine):
             self.emit(seq, token, now)
             self.counters.tokens_generated += 1
 
-    def _done(self, seq: Seq, reason: str | None, error: BaseException | None) -> None:
-        """It finished (reason), failed (error), or left (neither): out of the running batch."""
-        if seq not in self.in_flight:
+    def _done(self, seq: Seq, reason: FinishReason | None, error: BaseException | None) -> None:
+        """The manager finished it (``reason``) or failed on it (``error``), or its client left (neither)."""
+        if seq.settled:
             return
-        self.in_flight.remove(seq)
         if error is not None:
             self.counters.items_failed += 1
-            seq.fail(error)
+            self.end(seq, FinishReason.ERROR, error)
         elif reason is not None or seq.finished:
-            seq.finish(self.clock(), reason)
-            self.counters.answered(seq)
+            self.end(seq, seq.finish_reason if seq.finished else reason)  # type: ignore[arg-type]
         else:
             self.counters.left_while_generating += 1
+            self.end(seq, FinishReason.ABORT)
+
+    def let_go(self, seq: Seq) -> None:
+        """Out of the running batch; the manager stops decoding one it was still making (left, cut short)."""
+        if seq in self.in_flight:
+            self.in_flight.remove(seq)
+            if not seq.finished and self._manager is not None:
+                self._manager.cancel(seq.sid)
+        self._room.set()

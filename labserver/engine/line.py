@@ -56,29 +56,26 @@ class Line:
             self._classes[key] = deque(item for item in line if id(item) not in chosen)
         self._tidy()
 
-    def remove_if(self, dead: Callable[[Any], bool]) -> int:
-        """Drop every request ``dead`` says is gone; how many."""
-        dropped = 0
+    def remove_if(self, dead: Callable[[Any], bool]) -> list[Any]:
+        """Drop every request ``dead`` says is gone; those dropped."""
+        dropped: list[Any] = []
         for key, line in self._classes.items():
             if any(dead(item) for item in line):
-                keep = deque(item for item in line if not dead(item))
-                dropped += len(line) - len(keep)
-                self._classes[key] = keep
+                dropped += [item for item in line if dead(item)]
+                self._classes[key] = deque(item for item in line if not dead(item))
         self._tidy()
         return dropped
 
-    def prune_ends(self, dead: Callable[[Any], bool]) -> int:
-        """Drop the gone from both ends of every class (where the next pick comes from); how many.
+    def prune_ends(self, dead: Callable[[Any], bool]) -> list[Any]:
+        """Drop the gone from both ends of every class (where the next pick comes from); those dropped.
 
         Cheap enough for every hand-out; ``remove_if`` scans the whole line."""
-        dropped = 0
+        dropped: list[Any] = []
         for line in self._classes.values():
             while line and dead(line[0]):
-                line.popleft()
-                dropped += 1
+                dropped.append(line.popleft())
             while line and dead(line[-1]):
-                line.pop()
-                dropped += 1
+                dropped.append(line.pop())
         if dropped:
             self._tidy()
         return dropped

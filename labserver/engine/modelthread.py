@@ -1,7 +1,8 @@
 """How one batch runs: failures isolated by splitting, on the loop or on a model thread.
 
-``isolating_steps`` runs a batch and, if it raises, splits it in halves and retries
-each, so one bad input fails alone and an out-of-memory batch is retried smaller.
+``bisecting`` splits a call that raises in halves and retries each, so one bad input fails
+alone and an out-of-memory call is retried smaller: the batch engine's ``isolating_steps``
+and the step engine's calls both run it.
 ``ModelThread`` is the dedicated thread the offloading strategies run the model on.
 Nothing here knows strategies or HTTP; the engines (``labserver.engine``) drive both.
 """
@@ -13,13 +14,14 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, TypeVar
 
 from ..models import ModelError, OutOfMemory, keep_freed_memory
 
 logger = logging.getLogger(__name__)
 
 ModelFn = Callable[[list[str]], list[Any]]
+W = TypeVar("W")  # what one model call computes: a batch of texts, a step engine's ModelCall
 
 
 class WorkerDied(Exception):
@@ -43,14 +45,42 @@ async def let_loop_run(turns: int = 16) -> None:
         await asyncio.sleep(0)
 
 
-def run_isolating(model: ModelFn, texts: list[str]) -> tuple[list[Any], int]:
-    """Run a batch; if it raises, split it in halves and retry each.
+def bisecting(work: W, halves: Callable[[W], tuple[W, W]], size: Callable[[W], int]
+              ) -> Generator[W, list[Any] | Exception, tuple[list[Any], int]]:
+    """A failing call split in halves until each failure falls on its own inputs: the one bisection both engines use.
 
-    Returns one entry per text (an output or the exception for that text) and the
-    number of model calls. One poisoned input costs about 2*log2(n) extra calls and
-    fails alone; an out-of-memory batch is retried smaller until it fits or a single
-    item still does not.
+    It yields each call to make (``work`` first, then halves of it, ``halves(work)``) and is
+    sent what that call returned, or the exception it raised; it returns one entry per input
+    (an output, or the exception for that input) and the number of calls made. One poisoned
+    input among n costs about 2 log2(n) more calls and fails alone; an out-of-memory call is
+    retried smaller until it fits or a single input still does not. Whoever drives it makes
+    the calls where they belong (inline, on the model thread, awaited from the loop), and
+    lets a worker's death end it rather than send it in.
     """
+    outcome = yield work
+    if not isinstance(outcome, Exception) and len(outcome) != size(work):
+        outcome = ModelError(f"model returned {len(outcome)} outputs for {size(work)} inputs")
+    if not isinstance(outcome, Exception):
+        return list(outcome), 1
+    if size(work) == 1:
+        if not isinstance(outcome, ModelError):
+            logger.error("model failed on one input", exc_info=outcome)
+        return [outcome], 1
+    if isinstance(outcome, OutOfMemory):
+        logger.warning("a call of %d did not fit; splitting and retrying", size(work))
+    left, right = halves(work)
+    outs_left, n_left = yield from bisecting(left, halves, size)
+    outs_right, n_right = yield from bisecting(right, halves, size)
+    return outs_left + outs_right, 1 + n_left + n_right
+
+
+def _halves(texts: list[str]) -> tuple[list[str], list[str]]:
+    mid = len(texts) // 2
+    return texts[:mid], texts[mid:]
+
+
+def run_isolating(model: ModelFn, texts: list[str]) -> tuple[list[Any], int]:
+    """A batch of texts, bisected where it raises (``bisecting``): one entry per text and the model calls made."""
     steps = isolating_steps(model, texts)
     while True:
         try:
@@ -65,24 +95,18 @@ def isolating_steps(model: ModelFn, texts: list[str]) -> Generator[None, None, t
     An inline strategy drives it with loop turns in the pauses, so a poisoned batch
     blocks the event loop for one model call at a time, not for all ~2*log2(n) of them.
     """
-    try:
-        outputs = model(texts)
-        if len(outputs) != len(texts):
-            raise ModelError(f"model returned {len(outputs)} outputs for {len(texts)} inputs")
-        return list(outputs), 1
-    except Exception as e:
-        if len(texts) == 1:
-            if not isinstance(e, ModelError):
-                logger.error("model failed on one input", exc_info=e)
-            return [e], 1
-        if isinstance(e, OutOfMemory):
-            logger.warning("batch of %d did not fit; splitting and retrying", len(texts))
-    mid = len(texts) // 2
-    yield
-    left, n_left = yield from isolating_steps(model, texts[:mid])
-    yield
-    right, n_right = yield from isolating_steps(model, texts[mid:])
-    return left + right, 1 + n_left + n_right
+    steps = bisecting(texts, _halves, len)
+    part = next(steps)
+    while True:
+        try:
+            outcome: list[Any] | Exception = model(part)
+        except Exception as e:
+            outcome = e
+        try:
+            part = steps.send(outcome)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        yield
 
 
 class ModelThread:

@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .ending import FinishReason
+
 __all__ = ["Detokenizer", "Done", "Event", "Failed", "Made", "Placed", "Pulled"]
 
 
@@ -117,20 +119,20 @@ class Made:
 
 @dataclass(frozen=True)
 class Done:
-    """Answered: why it ended, and what its engine counted of it; ended by "hand-over" (a prefill replica's), the
+    """Answered: why it ended, and what its engine counted of it; ended for a hand-over (a prefill replica's), the
     ticket its KV waits under for a decode replica's pull (``labserver.engine.handover``)."""
 
-    finish_reason: str | None
-    steps: int = 0
-    step_batch_sum: int = 0
+    finish_reason: FinishReason
+    decode_calls: int = 0
+    decode_batch_sum: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
     ticket: int | None = None
 
     @classmethod
     def of(cls, seq: Any) -> Done:
-        return cls(seq.finish_reason, seq.steps, seq.step_batch_sum, seq.cached_tokens, seq.preemptions,
-                   seq.sid if seq.finish_reason == "hand-over" else None)
+        return cls(seq.finish_reason, seq.decode_calls, seq.decode_batch_sum, seq.cached_tokens, seq.preemptions,
+                   seq.sid if seq.finish_reason is FinishReason.HAND_OVER else None)
 
 
 @dataclass(frozen=True)

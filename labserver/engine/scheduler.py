@@ -34,21 +34,19 @@ from ..models import Chunk, Logprob, Scored, Verified
 from ..strategies import Admission, GenStrategy
 from ..strategies.generate import Call
 from .blocks import BlockManager
-from .handover import HANDOVER, handed_in
+from .connector import KVConnector
 from .running import RunningSeqs
-from .sequence import Seq, Status
-from .steprecord import StepCounters, StepRecord
+from .ending import FinishReason, Status
+from .sequence import Seq
+from .steprecord import StepCounters, CallRecord
 
-__all__ = ["ModelCall", "RunningSeqs", "Scheduler", "StepCounters", "StepRecord"]
-
-Work = list[tuple[Seq, int]]  # a model call: each sequence and how many of its pending tokens it computes
-
+__all__ = ["ModelCall", "RunningSeqs", "Scheduler", "StepCounters", "CallRecord"]
 
 @dataclass
 class ModelCall:
     """One model call: who, how many tokens each, and where their KV lives."""
 
-    work: Work
+    work: Call  # each sequence and how many of its pending tokens it computes
     chunks: list[Chunk]  # one per entry of work, for the model
     decoding: frozenset[int]  # sequences computing one token of their answer; the rest compute prompt tokens
     preempted: list[Seq] = field(default_factory=list)  # taken out to make room for it
@@ -82,19 +80,19 @@ class Scheduler:
 
     def __init__(self, strategy: GenStrategy, queue: Any, blocks: BlockManager, counters: StepCounters,
                  clock: Callable[[], float], live: Callable[[list[Seq], float, str], list[Seq]],
-                 emit: Callable[[Seq, int, float, Logprob | None], None], history: int = 20_000) -> None:
-        """``live`` drops the gone and answers the expired (the engine's door); ``emit`` hands a token over."""
+                 emit: Callable[[Seq, int, float, Logprob | None], None],
+                 end: Callable[[Seq, FinishReason, BaseException | None], None], history: int = 20_000) -> None:
+        """``live`` drops the gone and answers the expired (the engine's door); ``emit`` hands a token over; ``end``
+        ends a sequence (the engine's one ending, which calls ``drop`` back)."""
         self.strategy, self.queue, self.blocks, self.counters = strategy, queue, blocks, counters
-        self.clock, self.live, self.emit = clock, live, emit
+        self.clock, self.live, self.emit, self.end = clock, live, emit, end
         self.running = RunningSeqs(blocks)
         self._displaced: list[Seq] = []  # preempted at admission for a higher class: shown on the next call
         self.released: list[int] = []  # sequences whose KV the model may drop, until the engine tells it
-        self.steps: deque[StepRecord] = deque(maxlen=history)
+        self.steps: deque[CallRecord] = deque(maxlen=history)
         self._calls: Iterator[Call] = iter(())  # the step under way: the rest of its calls
         self._step_ids = 0
-        self.park: Callable[[Seq], None] | None = None  # keeps a hand-over's blocks for a pull (engine.handover)
-        self.imports: list[tuple[Seq, int]] = []  # admitted with a hand-over's KV: each and its first position to
-        #   write (past its prefix-cache hit), until the engine writes them on the model thread
+        self.connector: KVConnector | None = None  # KV from or for other engines (the engine's, if any)
 
     # -- the plan -------------------------------------------------------------------------
     def next_call(self) -> ModelCall | None:
@@ -119,7 +117,7 @@ class Scheduler:
             self._displaced.append(victim)
         gone = [s for s in self.running if s.gone]
         self.counters.left_while_generating += len(gone)
-        self._leave(gone)
+        self._end(gone, FinishReason.ABORT)
         now = self.clock()  # one reading for the deadline check and the prefill's start
         joined = self._give_blocks(self._after_parents(self.live(joining, now, "no first token before timeout_ms")),
                                    now)
@@ -180,18 +178,11 @@ class Scheduler:
                 c.recomputed_tokens += seq.pending
             if seq.deadline_s < now:  # live() used the same reading: impossible, counted anyway
                 c.computed_after_deadline += 1
-            if seq.handed is not None:  # its KV written past the hit before the next call (engine.handover)
-                handed_in(seq, hit, now, c)
-                self.imports.append((seq, hit))
+            if self.connector is not None:  # KV from elsewhere is written past the hit before its next call
+                self.connector.allocated(seq, hit, now)
         return seqs
 
-    def fail(self, seq: Seq, error: BaseException) -> None:
-        """Out of the batch with ``error`` (a hand-over whose KV could not be written)."""
-        self.counters.items_failed += 1
-        seq.fail(error)
-        self._leave([seq])
-
-    def _make_room(self, work: Work) -> list[Seq]:
+    def _make_room(self, work: Call) -> list[Seq]:
         """Blocks for every position this call writes; when none is available, the strategy's victim
         is preempted: blocks released, back to the head of the queue, recomputed when admitted again."""
         preempted: list[Seq] = []
@@ -261,14 +252,15 @@ class Scheduler:
         guessed = accepted = 0
         for (seq, n), out in zip(plan.work, outs, strict=True):
             logprob = None
+            if seq.settled:  # ended while the call ran (a drain): what it made is nobody's
+                continue
             if isinstance(out, Scored):
                 if seq.wants_prompt_scores and len(seq.prompt_logprobs) == seq.computed:
                     seq.prompt_logprobs += out.prompt
                 out, logprob = out.token, out.logprob
             if isinstance(out, Exception):
                 c.items_failed += 1
-                seq.fail(out)
-                failed.append(seq)
+                failed.append((seq, out))
                 continue
             if seq.finished:  # held by gen-static: computed again in place, thrown away
                 idle.append(seq.sid)
@@ -276,8 +268,8 @@ class Scheduler:
             if isinstance(out, Verified):  # a decode step that verified guesses: 1 to guesses + 1 tokens
                 made, kept = self._verified(seq, plan.guesses.get(seq.sid, ()), out, end_s)
                 guessed, accepted = guessed + len(plan.guesses.get(seq.sid, ())), accepted + kept
-                seq.steps += 1
-                seq.step_batch_sum += len(plan.work)
+                seq.decode_calls += 1
+                seq.decode_batch_sum += len(plan.work)
                 seq.status = Status.FINISHED if seq.finished else Status.DECODING
                 self.strategy.scheduling.served(seq, 0, made)
                 continue
@@ -287,8 +279,8 @@ class Scheduler:
             self.blocks.computed(seq.sid, seq.context, seq.computed)
             if out is not None:
                 if seq.sid in decoding:
-                    seq.steps += 1
-                    seq.step_batch_sum += len(plan.work)
+                    seq.decode_calls += 1
+                    seq.decode_batch_sum += len(plan.work)
                 self.emit(seq, out, end_s, logprob)
                 c.tokens_generated += 1
             seq.status = (Status.FINISHED if seq.finished else
@@ -297,19 +289,20 @@ class Scheduler:
         c.iteration_tokens.observe(sum(n for _, n in plan.work))
         if decoding:  # a decode step (or a mixed one: chunked prefill)
             self.strategy.scheduling.observe_step(len(plan.work), (end_s - start_s) * 1000)
-            c.decode_steps += 1
+            c.decode_calls += 1
             c.step_size_histogram[len(decoding) + len(idle)] += 1
             c.idle_tokens += len(idle)
-        self._leave(failed)
+        for seq, error in sorted(failed, key=lambda f: f[0].sid):
+            self.end(seq, FinishReason.ERROR, error)
         prefilling = tuple(s.sid for s, _ in plan.work if s.sid not in decoding and not s.finished)
         self._step_ids += 1
         b = self.blocks
-        self.steps.append(StepRecord(self._step_ids, start_s, end_s, tuple(s.sid for s, _ in plan.work),
+        self.steps.append(CallRecord(self._step_ids, start_s, end_s, tuple(s.sid for s, _ in plan.work),
                                      tuple(idle), self.running.kv_tokens, self.running.reserved,
                                      sum(n for _, n in plan.work), prefilling,
                                      tuple(s.sid for s in plan.preempted), b.used, b.cached, b.free,
                                      tuple(s.sid for s, _ in plan.work if s.sid in decoding), calls,
-                                     tuple(s.sid for s in failed), guessed, accepted, tuple(plan.guesses)))
+                                     tuple(s.sid for s, _ in failed), guessed, accepted, tuple(plan.guesses)))
         self._retire()
 
     def _verified(self, seq: Seq, guess: Sequence[int], out: Verified, now: float) -> tuple[int, int]:
@@ -339,22 +332,23 @@ class Scheduler:
         return made, kept
 
     def _retire(self) -> None:
-        done = self.strategy.leaving(self.running)
-        for seq in done:
-            seq.finish(self.clock())
-            self.counters.answered(seq)
-        self._leave(done)
+        """The answered the strategy lets leave (static batching holds them to the end of their batch) end."""
+        for seq in sorted(self.strategy.leaving(self.running), key=lambda s: s.sid):
+            assert seq.finish_reason is not None  # (leaving: answered, the token that ended it said why)
+            self.end(seq, seq.finish_reason, None)
+        for seq in [s for s in self.running if s.settled]:  # (ended while a call ran: dropped once it is applied)
+            self.drop(seq)
 
-    def _leave(self, seqs: list[Seq]) -> None:
-        """Out of the batch (finished, failed, gone): blocks back; the model is told before its next call."""
-        if not seqs:
+    def _end(self, seqs: list[Seq], reason: FinishReason) -> None:
+        for seq in sorted(seqs, key=lambda s: s.sid):  # (blocks back in id order: the order a pool reuses them)
+            self.end(seq, reason, None)
+
+    def drop(self, seq: Seq) -> None:
+        """An ended sequence out of the batch (``GenEngine.end`` calls this): its blocks back, unless the KV connector
+        keeps them for another engine; the model is told before its next call. One never admitted holds nothing."""
+        if seq not in self.running.seqs:
             return
-        ids = {s.sid for s in seqs}
-        self.running.seqs[:] = [s for s in self.running.seqs if s.sid not in ids]
-        for seq in seqs:  # a hand-over keeps its blocks for a decode replica's pull
-            if seq.finish_reason == HANDOVER and self.park is not None and not seq.future.cancelled():
-                self.park(seq)
-                ids.discard(seq.sid)
-        self.released += sorted(s.sid for s in seqs)
-        for sid in sorted(ids):
-            self.blocks.release(sid)
+        self.running.seqs.remove(seq)
+        self.released.append(seq.sid)
+        if self.connector is None or not self.connector.finished(seq):
+            self.blocks.release(seq.sid)

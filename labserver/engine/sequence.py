@@ -15,23 +15,14 @@ import math
 import random
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from ..models import Sampling
 from ..models.base import Logprob, position_seed
+from .ending import FinishReason, Status, status_of
 from .output import Detokenizer
 
-__all__ = ["EosStandIn", "Request", "Seq", "Status"]
-
-
-class Status(Enum):
-    """Where a sequence is, as the scheduler keeps it."""
-
-    WAITING = "waiting"  # queued (or preempted and queued again): nothing of it in the KV cache
-    PREFILLING = "prefilling"  # admitted: its prompt (or a piece, or a recompute) is being computed
-    DECODING = "decoding"  # only its last token lacks KV: one decode step makes the next
-    FINISHED = "finished"  # answered (gen-static computes it again as padding until its batch is done)
+__all__ = ["EosStandIn", "FinishReason", "Request", "Seq", "Status"]
 
 
 @dataclass(frozen=True)
@@ -50,8 +41,8 @@ class Request:
     tenant: str = ""  # whose request: fair shares are kept per tenant
     seed: int = 0  # seeds the engine's per-request draws that sampling does not make (the EOS stand-in's)
     cache_salt: str = ""  # prefix-cache blocks are shared only between requests with the same salt ("": none)
-    hand_over: bool = False  # disaggregated serving's prefill side: it ends after its first token ("hand-over") and
-    #   its KV is kept for a decode replica to pull (labserver.engine.handover)
+    remote_decode: bool = False  # vLLM's do_remote_decode: it ends after its first token (FinishReason.HAND_OVER),
+    #   its KV kept by the engine's KV connector for another engine, which makes the rest
 
 
 def _asked(name: str) -> property:
@@ -71,7 +62,7 @@ class Seq:
     #   are shared with this one once computed)
     # -- what it has made, and the scheduler's state
     tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "length" | "eos" | "stop" once finished
+    finish_reason: FinishReason | None = None  # how it ended (an answer's reason from the token that ended it)
     computed: int = 0  # positions (prompt, then tokens) whose keys and values are in the KV cache
     status: Status = Status.WAITING  # the scheduler's: set at admission, preemption and after each call
     logprobs: list[Logprob] = field(default_factory=list)  # one per token, when its sampling asks (Sampling.logprobs)
@@ -85,13 +76,12 @@ class Seq:
     first_token_s: float = math.nan
     last_token_s: float = math.nan  # its latest token was made
     finished_s: float = math.nan  # its last token was made
-    steps: int = 0  # decode steps it took part in while generating
-    step_batch_sum: int = 0  # sum of those steps' sizes (for its mean batch)
+    decode_calls: int = 0  # decode calls it took part in while generating
+    decode_batch_sum: int = 0  # sum of those calls' sizes (for its mean batch)
     replica: str = ""  # behind a router: the replica generating it (known by its first token)
-    handed: Any = field(default=None, repr=False)  # a decode replica's: its prompt's KV and first token, computed by
-    #   a prefill replica (labserver.engine.handover.Handover), until admitted
     prefilled_s: float = math.nan  # disaggregated: the prefill replica's first token reached the ingress
     transfer_ms: float = math.nan  # disaggregated: the decode replica's pull of its KV took this long
+    settled: bool = False  # it has ended (``GenEngine.end``): counted, its blocks let go, its future settled
     _wake: asyncio.Future[None] | None = field(default=None, repr=False)
 
     prompt_ids = _asked("prompt_ids")
@@ -134,12 +124,13 @@ class Seq:
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        """Its answer is made (a token ended it); static batching may still hold it in its batch."""
+        return self.finish_reason is not None and self.finish_reason.answered
 
     @property
     def gone(self) -> bool:
-        """The client left, or the request was answered otherwise (timeout, shutdown)."""
-        return self.future.done() and not self.finished
+        """Its future was settled by someone else (the client left) before it ended here."""
+        return self.future.done() and not self.settled
 
     @property
     def wants_prompt_scores(self) -> bool:
@@ -170,42 +161,36 @@ class Seq:
         if logprob is not None:
             self.logprobs.append(logprob if logprob.token == token else Logprob(token, math.nan))
         if self.output is not None and self.output.push(token):
-            self.finish_reason = "stop"
+            self.finish_reason = FinishReason.STOP
         elif len(self.tokens) >= self.max_new_tokens:
-            self.finish_reason = "length"
+            self.finish_reason = FinishReason.LENGTH
         elif (token == eos_id or token in eos_ids) and may_end:
-            self.finish_reason = "eos"
-        elif self.request.hand_over:  # its KV goes to a decode replica, which makes the rest
-            self.finish_reason = "hand-over"
+            self.finish_reason = FinishReason.EOS
+        elif self.request.remote_decode:  # its KV goes to another engine, which makes the rest
+            self.finish_reason = FinishReason.HAND_OVER
         if self.finished:
             self.finished_s = now
             if self.output is not None:
                 self.output.finish()
         self.wake()
 
-    def finish(self, now: float, reason: str | None = None) -> bool:
-        """Answered: its finish reason (the one ``emit`` found, else ``reason``), its end time, the rest of its text;
-        its future settled with it. Every engine ends a sequence here. False when it was settled already (the
-        client left, a deadline, a failure)."""
-        self.finish_reason = self.finish_reason or reason
-        self.status = Status.FINISHED
+    def settle(self, reason: FinishReason, now: float, error: BaseException | None = None) -> None:
+        """Ended for ``reason`` (``GenEngine.end`` calls this, and only it): its status, its end time, the rest of
+        its text; its future settled with itself, or with ``error`` (unless someone settled it first: a client
+        that left cancels it)."""
+        self.settled = True
+        self.finish_reason = self.finish_reason if self.finished else reason
+        self.status = status_of(reason)
         if math.isnan(self.finished_s):
             self.finished_s = now
         if self.output is not None:
             self.output.finish()
         self.wake()
-        if self.future.done():
-            return False
-        self.future.set_result(self)
-        return True
-
-    def fail(self, error: BaseException) -> bool:
-        """Failed with ``error`` (its route answers by the error's kind); False when it was settled already."""
-        self.wake()
-        if self.future.done():
-            return False
-        self.future.set_exception(error)
-        return True
+        if not self.future.done():
+            if error is None:
+                self.future.set_result(self)
+            else:
+                self.future.set_exception(error)
 
     def wake(self) -> None:
         if self._wake is not None and not self._wake.done():

@@ -85,7 +85,7 @@ class Guess:
 
 def same_tokenizer(target: GenModel, draft: GenModel) -> bool:
     """The draft names tokens as the target does: both synthetic (words are tokens), or the same vocabulary."""
-    a, b = getattr(target, "tokenizer", None), getattr(draft, "tokenizer", None)
+    a, b = target.tokenizer, draft.tokenizer
     if a is None or b is None:
         return a is None and b is None
     return a is b or a.get_vocab() == b.get_vocab()

@@ -20,7 +20,7 @@ KV memory is blocks (``labserver.engine.blocks``): the scheduler keeps each sequ
 block table and hands it to the model with the work (``labserver.models.Chunk``); the
 model owns the pool. The model runs on the model thread; tokens are handed to each
 request's handler on the event loop after every call, through ``Seq.emit``. Every call
-is recorded (``StepRecord``): the Gantt and KV plots are drawn from these. Nothing here
+is recorded (``CallRecord``): the Gantt and KV plots are drawn from these. Nothing here
 knows HTTP or torch; the same loop runs on a virtual clock
 (``labserver.engine.gensim.simulate_gen``).
 """
@@ -33,20 +33,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..models import GenModel, InputRejected, ModelError, ModelLoadError, Sampling, load_model
+from ..models import GenModel, InputRejected, ModelLoadError, Sampling, load_model
 from ..strategies import GenStrategy
 from .blocks import BlockManager
 from .counters import Metric, gauge
 from .genbase import GenEngine, kv_budget_tokens
-from .handover import Handover, Parking
-from .modelthread import WorkerDied
-from .scheduler import ModelCall, RunningSeqs, Scheduler, StepCounters, StepRecord
+from .connector import KVConnector
+from .modelthread import WorkerDied, bisecting
+from .scheduler import ModelCall, RunningSeqs, Scheduler, StepCounters, CallRecord
 from .sequence import Seq
 from .speculation import DraftModel, Guess, Speculator, same_tokenizer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunningSeqs", "Seq", "StepCounters", "StepEngine", "StepRecord", "kv_budget_tokens"]
+__all__ = ["RunningSeqs", "Seq", "StepCounters", "StepEngine", "CallRecord", "kv_budget_tokens"]
 
 class StepEngine(GenEngine):
     """One generation strategy, one generative model, the queue, the scheduler, and the loop over calls."""
@@ -65,11 +65,9 @@ class StepEngine(GenEngine):
                                    prefix_cache=limits.prefix_cache)
         model.allocate_kv(self.blocks.total, self.blocks.block_tokens)
         self.scheduler = Scheduler(strategy, self.queue, self.blocks, self.counters, clock, self.live, self.emit,
-                                   history)
+                                   self.end, history)
         self.in_flight = self.scheduler.running.seqs  # (the same list) what drain waits for and a dying worker fails
-        self.hands_over = hasattr(model, "export_kv")
-        self.parking = Parking(self.blocks, limits.handover_timeout_s, self._expired)
-        self.scheduler.park = self.parking.park
+        self._calling = False  # a model call (or a KV write) is under way
         self.spec = Speculator(limits) if limits.speculative else None  # (a draft model joins it in ``ready``)
 
     async def ready(self) -> None:
@@ -81,14 +79,23 @@ class StepEngine(GenEngine):
         name, _, dtype = spec.rpartition(":")
         if dtype not in ("auto", "float32", "float16", "bfloat16"):  # (a spec with a colon of its own: no dtype)
             name, dtype = spec, "auto"
-        device = str(getattr(getattr(self.model, "kv", None), "device", "cpu"))
-        draft = await asyncio.to_thread(load_model, name, device=device, kind="generate", dtype=dtype)
-        if not getattr(draft, "paged", False):
+        draft = await asyncio.to_thread(load_model, name, device=self.model.device, kind="generate", dtype=dtype)
+        if not draft.paged:
             raise ModelLoadError(f"the draft model {self.limits.draft_model} has no forward pass here")
         if not same_tokenizer(self.model, draft):
             raise ModelLoadError(f"the draft model {self.limits.draft_model} names tokens otherwise than "
                                  f"{self.model.name}: a draft needs the same tokenizer")
         self.spec.draft = await self.call(DraftModel, draft, self.blocks.total, self.blocks.block_tokens)
+
+    def connect(self, connector: KVConnector) -> None:
+        """KV from or for other engines from now on, through ``connector`` (``labserver.engine.connector``)."""
+        self.connector = self.scheduler.connector = connector
+
+    def let_go(self, seq: Seq) -> None:
+        """Its blocks back, now; or, while a model call is under way (a drain, a dead worker), once that call is
+        applied: the call writes its blocks until then (the scheduler drops the ended it finds)."""
+        if not self._calling:
+            self.scheduler.drop(seq)
 
     @property
     def running(self) -> RunningSeqs:
@@ -121,14 +128,18 @@ class StepEngine(GenEngine):
         while True:
             call = self.scheduler.next_call()  # the step's next call; None: the step is over
             await self._release()  # the model forgets who left before it computes, or before we wait
-            await self._import()  # hand-overs admitted: their KV written before any call reads it
+            self._calling = True  # (the model thread writes the call's blocks: an ending meanwhile keeps them)
+            if self.connector is not None:
+                await self.connector.load()  # KV from elsewhere, written before any call reads it
             if call is None:
+                self._calling = False
                 await self.scheduler.admit()  # a step boundary: who joins (waits while nothing runs)
                 continue
             if self.spec is not None and call.decoding:
                 call = await self._guess(call)  # speculation: guesses to verify in this call
             start = self.clock()
             outs, calls = await self._run(call)
+            self._calling = False
             if call.prefills:
                 self.counters.prefill_calls += calls
             end = self.clock()
@@ -179,23 +190,22 @@ class StepEngine(GenEngine):
         return outs, calls
 
     async def _isolate(self, call: ModelCall) -> tuple[list[Any], int]:
-        try:
-            outs = await self.call(self.model.forward, call.chunks)
-            if len(outs) != len(call.chunks):
-                raise ModelError(f"model returned {len(outs)} outputs for {len(call.chunks)} sequences")
-            return list(outs), 1
-        except WorkerDied:
-            raise  # the model thread is gone: nothing to retry on
-        except Exception as e:
-            if len(call.work) == 1:
-                if not isinstance(e, ModelError):
-                    logger.error("model failed on sequence %d", call.work[0][0].sid, exc_info=e)
-                return [e], 1
-        self.counters.bisections += 1
-        left, right = call.halves()
-        outs_left, n_left = await self._isolate(left)
-        outs_right, n_right = await self._isolate(right)
-        return outs_left + outs_right, 1 + n_left + n_right
+        """``bisecting`` driven from the loop, each call awaited on the model thread (a dead worker ends it)."""
+        steps = bisecting(call, ModelCall.halves, lambda c: len(c.work))
+        part = next(steps)
+        while True:
+            try:
+                outcome: list[Any] | Exception = await self.call(self.model.forward, part.chunks)
+            except WorkerDied:
+                raise  # the model thread is gone: nothing to retry on
+            except Exception as e:
+                outcome = e
+            try:
+                part = steps.send(outcome)
+            except StopIteration as done:
+                outs, calls = done.value
+                self.counters.bisections += (calls - 1) // 2  # (each split: one call more than its two halves)
+                return outs, calls
 
     async def _release(self) -> None:
         """Tell the model which sequences left the batch, so it may forget their KV."""
@@ -204,47 +214,10 @@ class StepEngine(GenEngine):
             self.scheduler.released = []
             await self.call(self._forget, released)
 
-    # -- disaggregated serving (labserver.engine.handover) ---------------------------------------
-    async def _import(self) -> None:
-        """Write the KV of the sequences admitted with a hand-over (past their prefix-cache hits), on the model
-        thread; one whose copy does not fit this model fails alone."""
-        imports, self.scheduler.imports = self.scheduler.imports, []
-        for seq, start in imports:
-            handed, seq.handed = seq.handed, None
-            if seq.future.done():  # (answered meanwhile: left, or finished by its first token)
-                continue
-            table = tuple(self.blocks.tables[seq.sid])
-            try:
-                await self.call(self.model.import_kv, seq.sid, table, start, handed.positions, handed.kv)
-            except WorkerDied:
-                raise
-            except Exception as e:
-                logger.warning("sequence %d: its hand-over could not be written: %s", seq.sid, e)
-                self.scheduler.fail(seq, ModelError(f"the KV handed over does not fit {self.model.name}: {e}"))
-                continue
-            self.blocks.computed(seq.sid, seq.context, handed.positions)
-
-    async def pull(self, ticket: int) -> Handover:
-        """A parked sequence's KV (a copy) for a decode replica; its blocks go back. ReplicaLost when nothing is
-        parked under ``ticket`` (pulled already, or freed after ``handover_timeout_s``)."""
-        seq, table = self.parking.take(ticket)
-        try:  # (off the model thread, which may be in a long prefill: no call writes a parked sequence's blocks)
-            kv = await asyncio.to_thread(self.model.export_kv, table, len(seq.prompt_ids))
-        finally:
-            self.parking.release(ticket)
-        self.counters.kv_handed_out += 1
-        self.counters.kv_handed_out_bytes += len(seq.prompt_ids) * self.model.kv_bytes_per_token
-        return Handover(seq.tokens[0], len(seq.prompt_ids), kv, seq.logprobs[0] if seq.logprobs else None,
-                        tuple(seq.prompt_logprobs))
-
     async def stop(self, in_flight_timeout_s: float = 60.0) -> None:
         await super().stop(in_flight_timeout_s)
-        self.parking.clear()
-
-    def _expired(self, seq: Seq) -> None:
-        self.counters.kv_handovers_expired += 1
-        logger.warning("request %s: its KV was not pulled within %g s; freed", seq.request_id,
-                       self.limits.handover_timeout_s)
+        if self.connector is not None:
+            self.connector.close()
 
     def _forget(self, sids: list[int]) -> None:
         """On the model thread: the model (and a draft model) may drop these sequences' KV."""
@@ -261,8 +234,6 @@ class StepEngine(GenEngine):
                 gauge("kv_blocks", "KV-cache blocks by state", {"used": b.used, "cached": b.cached, "free": b.free},
                       label="state"),
                 gauge("kv_block_tokens", "Tokens per KV block", b.block_tokens),
-                gauge("kv_parked", "Disaggregated prefill side: sequences whose blocks wait for a decode replica's "
-                      "pull", len(self.parking)),
                 gauge("kv_blocks_total", "KV-cache blocks in the pool", b.total),
                 gauge("kv_usage", "Share of the pool's blocks in running sequences' tables (1: all)",
                       b.used / b.total if b.total else 0.0, peer="vllm:kv_cache_usage_perc"),
@@ -281,7 +252,8 @@ class StepEngine(GenEngine):
                       if g.spec_proposed_tokens else None),
                 gauge("spec_mean_accepted_length", "Speculative decoding: tokens a verification made on average, the "
                       "guesses kept and the model's own (vLLM's mean acceptance length; null: none verified)",
-                      round(1 + g.spec_accepted_tokens / g.spec_drafts, 4) if g.spec_drafts else None)]
+                      round(1 + g.spec_accepted_tokens / g.spec_drafts, 4) if g.spec_drafts else None),
+                *(self.connector.metrics() if self.connector is not None else [])]
 
     def step_log(self, last: int | None = None) -> list[dict[str, Any]]:
         steps = list(self.steps)[-last:] if last else list(self.steps)

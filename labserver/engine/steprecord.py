@@ -1,4 +1,4 @@
-"""What the step engine records: one ``StepRecord`` per model call (the step log, the Gantt) and its counters.
+"""What the step engine records: one ``CallRecord`` per model call (the step log, the Gantt) and its counters.
 
 ``StepCounters`` are a generation engine's counters (``labserver.engine.counters``: each
 field's name is the name ``/stats`` shows and ``/metrics`` exports) plus the step engine's
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from .counters import Histogram, count, histogram, sizes
 from .genbase import ITERATION_BUCKETS, GenCounters
 
-__all__ = ["StepCounters", "StepRecord"]
+__all__ = ["StepCounters", "CallRecord"]
 
 
 @dataclass
-class StepRecord:
+class CallRecord:
     step: int
     start_s: float  # clock, s
     end_s: float
@@ -48,7 +48,7 @@ class StepCounters(GenCounters):
     prefill_calls: int = count("Prefill model calls (more than prefills when a failed one was split and retried)")
     bisections: int = count("Model calls that raised and were split in halves, each retried as a call of its own, "
                             "until the failure fell on its own sequences")
-    decode_steps: int = count("Model calls that decoded (decode or mixed steps)")
+    decode_calls: int = count("Model calls that decoded (decode or mixed steps)")
     idle_tokens: int = count("Tokens computed for sequences already finished (static batching's padding)")
     step_size_histogram: Counter[int] = sizes("Sequences per decode step")
     iteration_tokens: Histogram = histogram("Tokens computed per model call (prompt pieces + decodes)",

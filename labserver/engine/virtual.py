@@ -142,9 +142,7 @@ class VirtualQueue:
         """Requests whose deadline passed by ``until_s`` leave the line then: the client's 504."""
         if until_s < self._soonest_s:  # (without timeouts, always: a scan per arrival made a backlog quadratic)
             return
-        expired: list[Item] = []
-        self.line.remove_if(lambda item: item.deadline_s <= until_s and not expired.append(item))
-        for item in expired:
+        for item in self.line.remove_if(lambda item: item.deadline_s <= until_s):
             self._refuse(self.outcomes[int(item.request_id)], 504, "expired", item.deadline_s)
         self._soonest_s = min((item.deadline_s for item in self.line), default=math.inf)
 

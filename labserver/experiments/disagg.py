@@ -3,8 +3,9 @@
 Two arrangements of the same model on Ray Serve, one after the other, each loaded with the
 same requests (``LiveConfig``):
 
-- ``colocated``: two replicas, each doing both phases, one torch thread each, both free to
-  run on either core (the operating system places them);
+- ``colocated``: two replicas, each doing both phases, one torch thread each, each pinned to a
+  core of its own (``pin_cores``), as the disaggregated ones are: the two differ in who
+  computes what, not in where;
 - ``disaggregated``: one prefill and one decode replica (``disaggregate=(1, 1)``), each pinned
   to a core of its own (``pin_cores``), one torch thread each.
 
@@ -85,7 +86,7 @@ class LiveRun:
 def arrangement_options(name: str) -> dict[str, Any]:
     """``serve_replicas`` keywords of an arrangement."""
     if name == "colocated":
-        return {"replicas": 2, "router": "least-loaded", "threads": 1}
+        return {"replicas": 2, "router": "least-loaded", "pin_cores": True, "threads": 1}
     if name == "disaggregated":
         return {"disaggregate": (1, 1), "router": "least-loaded", "pin_cores": True, "threads": 1}
     raise ValueError(f"unknown arrangement {name!r}: {' or '.join(ARRANGEMENTS)}")

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["GREEDY", "MAX_LOGPROBS", "MEANINGLESS", "POISON", "Chunk", "GenModel", "InputRejected", "Logprob",
+__all__ = ["GREEDY", "MAX_LOGPROBS", "MEANINGLESS", "POISON", "Chunk", "GenModel", "InputRejected", "KVPortable",
+           "Logprob",
            "Model", "ModelError", "ModelLoadError", "OutOfMemory", "Sampling", "Samplings", "Scored", "Verified",
            "generate_alone", "device_label", "keep_freed_memory", "minilm_dir", "on_fresh_thread", "pick_device", "pick_dtype",
            "position_seed", "prompt_of_ids", "token_of"]
@@ -66,6 +67,7 @@ class ModelLoadError(RuntimeError):
 class Model(Protocol):
     name: str
     max_chars: int | None  # characters the model accepts per input, None = no limit
+    max_tokens: int | None  # tokens it reads of an input (the rest is cut), None = it says no limit
 
     def __call__(self, texts: list[str]) -> list[Any]: ...
 
@@ -194,6 +196,8 @@ class GenModel(Protocol):
     paged: bool  # the step engine can run it (labserver's own forward pass); False: only gen-hf-cb can
     scores: bool  # it gives log-probabilities when a chunk's sampling asks (Sampling.logprobs)
     tokenizer: Any  # a transformers tokenizer (its chat template is /v1/chat's), or None: the model has none
+    device: str  # where it computes ("cpu", "cuda:0" ...): a draft model is loaded there too
+    kv_portable: bool  # it can copy a sequence's KV out and write one in (``KVPortable``): KV may cross engines
 
     def encode(self, prompt: str) -> list[int]:
         """Prompt -> token ids, on the event loop (cheap). Raises InputRejected for a prompt it cannot take."""
@@ -218,6 +222,16 @@ class GenModel(Protocol):
 
     def release(self, seq_ids: list[int]) -> None:
         """These sequences are gone (finished, failed, left, preempted): forget them (unknown ids are ignored)."""
+
+
+class KVPortable(Protocol):
+    """A ``GenModel`` that declares ``kv_portable``: what a KV connector (``labserver.engine.connector``) asks of it."""
+
+    def export_kv(self, table: Sequence[int], positions: int) -> Any:
+        """A copy of the first ``positions`` positions' keys and values, read through ``table``."""
+
+    def import_kv(self, sid: int, table: Sequence[int], start: int, end: int, kv: Any) -> None:
+        """Write positions ``start .. end - 1`` of sequence ``sid`` from such a copy (another engine's)."""
 
 
 def prompt_of_ids(model: GenModel, ids: Sequence[int]) -> list[int]:

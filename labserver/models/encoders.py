@@ -80,6 +80,7 @@ class FillMask:
     """A transformers fill-mask pipeline (the guide's task), batched."""
 
     max_chars: int | None = None
+    max_tokens: int | None = None  # (the pipeline's tokenizer cuts at its own)
 
     def __init__(self, pipe: Any, name: str, note: str | None = None) -> None:
         self.pipe = pipe
@@ -116,6 +117,7 @@ class GenericPipeline:
     """Any other transformers pipeline, called on the whole batch."""
 
     max_chars: int | None = None
+    max_tokens: int | None = None  # (the pipeline's tokenizer cuts at its own)
 
     def __init__(self, pipe: Any, name: str) -> None:
         self.pipe = pipe

@@ -175,6 +175,7 @@ class PagedLM(TokenizerText):
 
     paged = True  # the step engine can run it (TransformersOnly: only gen-hf-cb)
     scores = True  # gives log-probabilities when a chunk's sampling asks (Sampling.logprobs)
+    kv_portable = True  # export_kv / import_kv below
     family = ""
 
     def __init__(self, name: str, hf_model: Any, tokenizer: Any, *, layers: int, kv_heads: int, head_dim: int,
@@ -197,6 +198,10 @@ class PagedLM(TokenizerText):
     def kv_bytes_per_token(self) -> int:
         """KV memory one position holds: layers x 2 (K and V) x KV heads x head size x dtype size."""
         return self.kv.bytes_per_token
+
+    @property
+    def device(self) -> str:
+        return str(self.kv.device)
 
     # -- the forward pass: the family's ---------------------------------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: CallPlan) -> torch.Tensor:
@@ -328,6 +333,7 @@ class TransformersOnly(TokenizerText):
 
     paged = False
     scores = False  # (gen-hf-cb: transformers' manager gives none)
+    kv_portable = False
     note = None
 
     def __init__(self, name: str, hf_model: Any, tokenizer: Any, *, max_context: int, eos_id: int | None,
@@ -336,6 +342,7 @@ class TransformersOnly(TokenizerText):
         self.eos_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)
         super().__init__(tokenizer)
         self.hf_model = hf_model
+        self.device = str(next(hf_model.parameters()).device)
         try:
             self.kv_bytes_per_token = kv_bytes_per_token(hf_model.config, next(hf_model.parameters()).element_size())
         except (TypeError, ValueError, KeyError, ZeroDivisionError):  # a config in names it does not know

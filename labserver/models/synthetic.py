@@ -39,6 +39,7 @@ __all__ = ["Echo", "Synthetic", "SyntheticGen", "parse_synthetic", "parse_synthe
 class Echo:
     name: str = "echo"
     max_chars: int | None = None
+    max_tokens = None  # (no tokens: it reads characters)
 
     def __call__(self, texts: list[str]) -> list[Any]:
         return [{"chars": len(t)} for t in texts]
@@ -60,6 +61,7 @@ class Synthetic:
     per_token_ms: float = 0.0  # cost per padded token: n x the longest text's tokens
     name: str = ""
     max_chars: int | None = None
+    max_tokens = None  # (its "tokens" are words, uncut)
     calls: int = field(default=0, repr=False)  # batches computed, for tests
     items: int = field(default=0, repr=False)  # items computed, for tests
 
@@ -135,6 +137,8 @@ class SyntheticGen:
     kv_bytes_per_token: int = 0  # what a position would hold (a real model's, from its config): 0 says nothing
     vocab_size = POISONED + 1  # EOS, the words' 50,000 tokens, the poisoned one
     paged = True  # the step engine runs it
+    kv_portable = True  # its signatures copy out and in (export_kv, import_kv)
+    device = "cpu"
     tokenizer = None  # (words are tokens: no chat template of its own)
     scores = False  # no log-probabilities: it computes nothing
 

@@ -1,6 +1,6 @@
 """Matplotlib pictures of KV-cache memory: tokens held and reserved, blocks by state, where TTFT went.
 
-Drawn over the server's step log (``labserver.engine.StepRecord``: after each model call,
+Drawn over the server's step log (``labserver.engine.CallRecord``: after each model call,
 the KV tokens held, the blocks used, cached and free, who was preempted) and over
 request frames with ``queue_ms`` and ``ttft_ms``. Manners as in ``labserver.plots.common``:
 ``ax=None`` in, the Axes out, nothing global changed, the n-th label the n-th colour.

@@ -3,7 +3,7 @@
 Drawn over the frames of a generation load test: records (one row per request,
 with ``ttft_ms``, ``tpot_ms``, ``n_tokens``), tokens (one row per received token),
 a ``summarize_runs`` summary, and the server's step log (one row per model call,
-``labserver.engine.StepRecord``). Manners as in ``labserver.plots.common``, whose
+``labserver.engine.CallRecord``). Manners as in ``labserver.plots.common``, whose
 helpers this reuses: each function draws into ``ax`` (a new figure when None) and
 returns the Axes; nothing changes global matplotlib state; the n-th label takes
 the n-th colour of the property cycle, in every picture.

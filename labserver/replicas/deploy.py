@@ -33,7 +33,7 @@ from ray import serve
 
 from ..config import ServerConfig
 from ..engine.base import ReplicaLost
-from ..engine.handover import handover_lost
+from ..engine.handover import HandoverConnector, handover_lost
 from ..engine.output import Done, Failed, Made, Placed, Pulled
 from ..models import Sampling
 from ..server import create_app
@@ -78,8 +78,8 @@ class Replica:
     """One labserver runtime; ``generate`` streams one sequence's events (``remote`` says which).
 
     Disaggregated (``labserver.replicas.disagg``), the same class serves both pools: a
-    prefill replica's ``generate`` takes jobs with ``hand_over`` (its first token, then its KV
-    parked) and its ``pull`` hands the KV over; a decode replica's takes jobs with ``kv`` (the
+    prefill replica's ``generate`` takes jobs with ``remote_decode`` (its first token, then its KV
+    parked by its engine's ``HandoverConnector``) and its ``pull`` hands the KV over; a decode replica's takes jobs with ``kv`` (the
     prefill replica and ticket) and pulls before it submits. ``cores``: the CPUs this replica's
     process may run on (pinned, one torch thread each); ``threads``: torch threads (None: torch's
     default).
@@ -98,6 +98,9 @@ class Replica:
         await self.runtime.wait_loaded()
         if not self.runtime.healthy():
             raise RuntimeError(f"replica failed to start: {self.runtime.load_error}")
+        if role:  # disaggregated: KV crosses engines through a connector (colocated replicas have none)
+            self.connector = HandoverConnector(self.runtime.engine)
+            self.runtime.engine.connect(self.connector)  # type: ignore[union-attr]
         self.id = context.replica_id.unique_id
         self.board = board
         self._report = asyncio.get_running_loop().create_task(self._reporting())
@@ -118,19 +121,19 @@ class Replica:
         yield Placed(self.id)
         engine: Any = self.runtime.engine
         try:
-            handed = None
+            copy = None
             if job.get("kv"):  # a decode replica's: the KV first, from the prefill replica that holds it
                 self._fault("pull")
                 start = time.perf_counter()
-                handed = await self._pull(job["kv"])
-                yield Pulled((time.perf_counter() - start) * 1000, handed.positions * engine.model.kv_bytes_per_token)
+                copy = await self._pull(job["kv"])
+                yield Pulled((time.perf_counter() - start) * 1000, copy.positions * engine.model.kv_bytes_per_token)
             sampling = Sampling(**job["sampling"]) if job.get("sampling") else None
             seq = engine.submit(job["prompt_ids"], job["max_new_tokens"], ignore_eos=job["ignore_eos"],
                                 request_id=job["request_id"], sampling=sampling, stop=tuple(job["stop"]),
                                 min_tokens=job["min_tokens"], priority=job.get("priority", 0),
                                 tenant=job.get("tenant", ""), cache_salt=job.get("cache_salt", ""),
-                                hand_over=bool(job.get("hand_over")), handed=handed)
-            if job.get("hand_over"):
+                                remote_decode=bool(job.get("remote_decode")), kv_transfer=copy)
+            if job.get("remote_decode"):
                 self._fault("prefill")
         except Exception as e:
             yield Failed(*describe(e)[:2])
@@ -152,8 +155,9 @@ class Replica:
                               f"({type(e).__name__}); retry") from None
 
     async def pull(self, kv: dict[str, Any]) -> Any:
-        """A prefill replica's: the KV parked under ``kv["ticket"]`` (``StepEngine.pull``), its blocks given back."""
-        return await self.runtime.engine.pull(int(kv["ticket"]))  # type: ignore[union-attr]
+        """A prefill replica's: the KV parked under ``kv["ticket"]`` (``HandoverConnector.pull``), its blocks given
+        back."""
+        return await self.connector.pull(int(kv["ticket"]))
 
     def fault(self, when: str) -> None:
         """Fault injection for tests and lessons, through a Ray handle only (no route reaches it): this replica's

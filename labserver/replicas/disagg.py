@@ -4,9 +4,9 @@
 *prefill* replicas and D *decode* replicas of the same model behind one ingress and the
 same routes. The ingress plays vLLM's disaggregation proxy::
 
-    client ─► ingress ─① job, hand_over ─► prefill pool (the router picks) ── prompt + first token,
+    client ─► ingress ─① job, remote_decode ─► prefill pool (the router picks) ── prompt + first token,
                  │                            blocks parked under a ticket ◄─┐
-                 │ ◄── Done("hand-over", ticket) ──┘                          │ ③ pull (pinned to that replica):
+                 │ ◄── Done(HAND_OVER, ticket) ────┘                          │ ③ pull (pinned to that replica):
                  └─② job, kv={replica, ticket} ─► decode pool (the router picks) ─┘   a copy of the KV, its blocks back
                         ◄── Pulled(ms, bytes), then the tokens: the first (the prefill's) once admitted, then the rest
 
@@ -48,8 +48,8 @@ from typing import Any
 from ..engine.base import ReplicaLost
 from ..engine.counters import count, tally
 from ..engine.genbase import GenCounters
-from ..engine.handover import HANDOVER
 from ..engine.output import Done, Failed, Made, Placed, Pulled
+from ..engine.ending import FinishReason
 from ..engine.sequence import Seq
 from .remote import ERRORS, REPLICA_LOST, BoardedEngine, failure, job_of, until
 
@@ -93,14 +93,14 @@ class DisaggEngine(BoardedEngine):
         """The prefill pool computes the prompt and first token; then the decode pool makes the rest."""
         job = job_of(seq)
         prefill = first = ticket = None
-        async for event in until(self.handle.options(stream=True).generate.remote({**job, "hand_over": True}),
+        async for event in until(self.handle.options(stream=True).generate.remote({**job, "remote_decode": True}),
                                  seq.future):
             match event:
                 case Placed(replica):
                     prefill = seq.replica = replica
                 case Made():
                     first = event
-                case Done(reason, ticket=t) if reason == HANDOVER:
+                case Done(reason, ticket=t) if reason is FinishReason.HAND_OVER:
                     ticket = t
                 case Done():  # its first token ended it: answered here
                     if first is not None:

@@ -29,9 +29,10 @@ import math
 from typing import Any
 
 from ..engine import GenEngine
-from ..engine.base import Expired, ReplicaLost, ShuttingDown
+from ..engine.base import Expired, Overloaded, ReplicaLost, ShuttingDown
 from ..engine.genbase import GenCounters
 from ..engine.output import Done, Failed, Made, Placed
+from ..engine.ending import FinishReason
 from ..engine.sequence import Seq
 from ..models import ModelError
 from ..server.handling import ERROR_TABLE
@@ -78,7 +79,7 @@ class RemoteEngine(GenEngine):
             seq = await self.queue.get()
             if seq.deadline_s < self.clock():
                 self.counters.expired_in_queue += 1
-                seq.fail(Expired("no replica took it within timeout_ms"))
+                self.end(seq, FinishReason.EXPIRED, Expired("no replica took it within timeout_ms"))
                 continue
             self.in_flight.append(seq)
             task = asyncio.get_running_loop().create_task(self._forward(seq), name=f"labserver-forward-{seq.sid}")
@@ -107,16 +108,20 @@ class RemoteEngine(GenEngine):
         try:
             await self._stream(seq)
         except asyncio.CancelledError:
-            seq.fail(ShuttingDown("server is shutting down; generation stopped"))
+            self.end(seq, FinishReason.ABORT, ShuttingDown("server is shutting down; generation stopped"))
             raise
         except tuple(ERRORS.values()) as e:
-            seq.fail(e)
+            self.end(seq, ending_of(e), e)
         except Exception as e:  # a replica that died mid-call (Ray's RayActorError and kin): 503, retry
             logger.warning("request %s: replica %s lost: %s", seq.request_id, seq.replica or "?", e)
-            seq.fail(ReplicaLost(REPLICA_LOST))
+            self.end(seq, FinishReason.ERROR, ReplicaLost(REPLICA_LOST))
         finally:
-            if seq.future.cancelled() and not seq.finished:
+            if not seq.settled:  # its client left (its future cancelled; the replica's work with it)
                 self.counters.left_while_generating += 1
+                self.end(seq, FinishReason.ABORT)
+
+    def let_go(self, seq: Seq) -> None:
+        if seq in self.in_flight:
             self.in_flight.remove(seq)
             self._room.set()
 
@@ -131,16 +136,26 @@ class RemoteEngine(GenEngine):
         self.counters.tokens_generated += len(made.tokens)
 
     def _finish(self, seq: Seq, done: Done) -> None:
-        seq.finish_reason = done.finish_reason or seq.finish_reason or "length"
-        seq.steps, seq.step_batch_sum = done.steps, done.step_batch_sum
+        """Its replica's answer: it ends here as it ended there (unless a stop string or its length ended it here)."""
+        seq.decode_calls, seq.decode_batch_sum = done.decode_calls, done.decode_batch_sum
         seq.cached_tokens, seq.preemptions = done.cached_tokens, done.preemptions
         seq.finished_s = math.nan  # (ended now, on this clock: its replica's answer arrived)
-        self.counters.finished[seq.finish_reason] += 1
-        seq.finish(self.clock())
+        self.end(seq, done.finish_reason)
 
     def cut_short(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+
+
+def ending_of(error: BaseException) -> FinishReason:
+    """How a sequence ends when its replica answered ``error`` (as the same error ends one here)."""
+    if isinstance(error, Expired):
+        return FinishReason.EXPIRED
+    if isinstance(error, ShuttingDown):
+        return FinishReason.ABORT
+    if isinstance(error, Overloaded):
+        return FinishReason.SHED
+    return FinishReason.ERROR
 
 
 def failure(kind: str, message: str) -> BaseException:

@@ -46,10 +46,11 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
 import numpy as np
 
-__all__ = ["DECODE_HEAVY", "LINKS", "MIXED", "PDCosts", "PDResult", "PREFILL_HEAVY", "Workload",
+__all__ = ["DECODE_HEAVY", "LINKS", "MIXED", "PDCosts", "PDResult", "PREFILL_HEAVY", "Role", "Workload",
            "draw", "simulate_colocated", "simulate_disaggregated"]
 
 # (Gb/s, ms a transfer), rough one-way figures: NVLink 4 in one H100 node (~450 GB/s each way), an InfiniBand
@@ -146,13 +147,22 @@ MIXED = Workload("mixed", parts=((0.5, PREFILL_HEAVY), (0.5, DECODE_HEAVY)))  # 
 CALL, STEPS, END, KV = 0, 1, 0, 1  # a node runs a prefill call or k token steps; events: they end, or KV lands
 
 
+class Role(Enum):
+    """What one instance does: both phases colocated (prefill-first or chunked), or one of them."""
+
+    PREFILL_FIRST = "prefill-first"  # colocated: a waiting prompt is prefilled before the next token step
+    CHUNKED = "chunked"  # colocated: prompts sliced into the token steps, a token budget a step
+    PREFILL = "prefill"  # disaggregated: prefills only, its KV sent on
+    DECODE = "decode"  # disaggregated: decodes only, from the KV it received
+
+
 class _Node:
-    """One instance. ``kind``: "prefill-first" or "chunked" (colocated), "prefill" or "decode"."""
+    """One instance, in its ``Role``."""
 
     __slots__ = ("kind", "tier", "idx", "waiting", "running", "counter", "itl", "stall", "busy", "phase", "t0", "d",
                  "k", "batch", "version", "started", "link_free")
 
-    def __init__(self, kind: str, tier: int, idx: int) -> None:
+    def __init__(self, kind: Role, tier: int, idx: int) -> None:
         self.kind, self.tier, self.idx, self.link_free = kind, tier, idx, 0.0  # (link: when it is free next)
         self.waiting: deque[int] = deque()  # prompts to prefill, or (decode) transferred requests to admit
         self.running: list[tuple[int, int]] = []  # heap of (counter value at which it is done, request)
@@ -182,7 +192,7 @@ class _Cluster:
         self.events: list[tuple[float, int, int, int, int, int]] = []  # (time, seq, END/KV, a, b, version)
         self.seq = 0  # (events at one time in the order pushed)
 
-    def run(self, front: list[str], back: list[str]) -> None:
+    def run(self, front: list[Role], back: list[Role]) -> None:
         self.nodes = [[_Node(k, 0, i) for i, k in enumerate(front)], [_Node(k, 1, i) for i, k in enumerate(back)]]
         self.held, self.next = [[0] * len(front), [0] * len(back)], [0, 0]
         arrival, events, i, n = self.arrival, self.events, 0, len(self.arrival)
@@ -227,8 +237,8 @@ class _Cluster:
     def plan(self, node: _Node, now: float) -> None:
         """At a step boundary: what the node runs next (or it idles)."""
         c, kind, waiting, running = self.c, node.kind, node.waiting, node.running
-        if waiting and (kind == "prefill" or (kind == "prefill-first" and len(running) < c.max_batch)):
-            limit = c.max_batch - len(running) if kind == "prefill-first" else len(waiting)
+        if waiting and (kind is Role.PREFILL or (kind is Role.PREFILL_FIRST and len(running) < c.max_batch)):
+            limit = c.max_batch - len(running) if kind is Role.PREFILL_FIRST else len(waiting)
             batch = [waiting.popleft()]
             tokens = self.prompt[batch[0]]  # the first always goes, however long
             while waiting and len(batch) < limit and tokens + self.prompt[waiting[0]] <= c.max_prefill_tokens:
@@ -237,12 +247,12 @@ class _Cluster:
             for r in batch:
                 self.rec["started"][r] = now
             return self.start(node, now, CALL, c.prefill_ms(tokens), 1, batch)
-        if kind == "decode":
+        if kind is Role.DECODE:
             while waiting and len(running) < c.max_batch:
                 r = waiting.popleft()
                 self.rec["first"][r] = now
                 self.enter(node, r, now)
-        elif kind == "chunked" and waiting and len(running) < c.max_batch:
+        elif kind is Role.CHUNKED and waiting and len(running) < c.max_batch:
             budget, slots, batch = c.chunk_tokens, c.max_batch - len(running), []
             for r in waiting:  # first come first served; a prompt may be sliced over several steps
                 if budget <= 0 or slots <= 0:
@@ -282,7 +292,7 @@ class _Cluster:
             node.started -= len(node.batch)
         for r in node.batch:  # prompts whose prefill ended here
             self.rec["made"][r] = now
-            if node.kind == "prefill":
+            if node.kind is Role.PREFILL:
                 self.send(node, r, now)
             else:
                 self.rec["moved"][r] = self.rec["first"][r] = now
@@ -382,7 +392,7 @@ def simulate_colocated(instances: int, rate: float, workload: Workload, costs: P
     if policy not in ("prefill-first", "chunked"):
         raise ValueError(f"policy must be 'prefill-first' or 'chunked', got {policy!r}")
     cluster = _Cluster(costs, *draw(workload, rate, n_requests, seed), route=route)
-    cluster.run([policy] * instances, [])
+    cluster.run([Role(policy)] * instances, [])
     return _result(cluster, f"colocated {policy}", rate, instances, warmup)
 
 
@@ -393,6 +403,6 @@ def simulate_disaggregated(prefill: int, decode: int, rate: float, workload: Wor
     if prefill < 1 or decode < 1:
         raise ValueError(f"need at least one prefill and one decode instance, got {prefill}:{decode}")
     cluster = _Cluster(costs, *draw(workload, rate, n_requests, seed), route=route, shared_link=shared_link)
-    cluster.run(["prefill"] * prefill, ["decode"] * decode)
+    cluster.run([Role.PREFILL] * prefill, [Role.DECODE] * decode)
     return _result(cluster, f"disaggregated {prefill}P:{decode}D", rate, prefill + decode, warmup)
 

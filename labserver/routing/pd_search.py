@@ -33,8 +33,7 @@ import numpy as np
 
 from .pd import PDCosts, PDResult, Workload, simulate_colocated, simulate_disaggregated
 
-__all__ = ["SLO", "Goodput", "SplitReport", "SplitRow", "best_split", "capacity", "default_splits", "goodput",
-           "print_split"]
+__all__ = ["SLO", "Goodput", "SplitReport", "SplitRow", "best_split", "capacity", "default_splits", "goodput"]
 
 
 @dataclass(frozen=True)
@@ -188,11 +187,3 @@ def best_split(instances: int, workload: Workload, costs: PDCosts, slo: SLO, *,
         rows.append(SplitRow(f"colocated {policy}", instances, 0, g.rate, g.per_instance, g.upper))
     rows.sort(key=lambda r: (-r.goodput, r.label))
     return SplitReport(workload.name, instances, slo, rows, time.perf_counter() - began)
-
-
-def print_split(instances: int, workload: Workload, costs: PDCosts, slo: SLO, top: int = 6,
-                **options: object) -> SplitReport:
-    """``best_split``, its table printed."""
-    report = best_split(instances, workload, costs, slo, **options)  # type: ignore[arg-type]
-    print(report.table(top))
-    return report

@@ -71,9 +71,9 @@ def parse_generate(body: bytes, max_new_tokens_cap: int, max_chars: int) -> GenP
 
 def result_body(model: GenModel, seq: Seq, t0: float, now: float) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "text": model.text(seq.tokens),
+        "text": seq.output.text if seq.output is not None else model.text(seq.tokens),
         "tokens": seq.tokens,
-        "finish_reason": seq.finish_reason,
+        "finish_reason": seq.finish_reason.value if seq.finish_reason else None,  # (labserver's own word: eos ...)
         "prompt_tokens": len(seq.prompt_ids),
         "generated_tokens": len(seq.tokens),
         "timing": timing(seq, t0, now),
@@ -89,7 +89,8 @@ def timing(seq: Seq, t0: float, now: float) -> dict[str, Any]:
         return None if math.isnan(t_s) else round((t_s - t0) * 1000, 3)
 
     return {"queue_ms": ms(seq.admitted_s), "ttft_ms": ms(seq.first_token_s), "server_ms": ms(now),
-            "steps": seq.steps, "mean_step_batch": round(seq.step_batch_sum / seq.steps, 2) if seq.steps else None,
+            "decode_calls": seq.decode_calls,
+            "mean_decode_batch": round(seq.decode_batch_sum / seq.decode_calls, 2) if seq.decode_calls else None,
             "cached_tokens": seq.cached_tokens, "preemptions": seq.preemptions,
             "prefilled_ms": ms(seq.prefilled_s),
             "transfer_ms": None if math.isnan(seq.transfer_ms) else round(seq.transfer_ms, 3)}

@@ -12,7 +12,7 @@ type with the ``_created`` sample prometheus-client adds, and its labels ``engin
 ``model_name`` (the id ``/v1/models`` lists), so vLLM's dashboards, ``vllm bench`` and a
 Prometheus set up for vLLM scrape labserver unchanged. Behind a router each replica is one
 ``engine`` (vLLM's data-parallel ranks are labelled so). vLLM's finish reasons are words of
-its own (``VLLM_FINISHED``): they are translated here, at the edge.
+its own: ``server.openai.finish`` translates them, at the edge.
 """
 
 from __future__ import annotations
@@ -28,14 +28,10 @@ from prometheus_client.utils import floatToGoString
 from starlette.responses import Response
 
 from ..engine.counters import Metric
+from ..engine.ending import FinishReason
+from .openai.finish import API_WORDS
 from .runtime import Runtime
 
-# labserver's finish reasons in vLLM's words (its FinishReason: stop, length, abort, error); each word is
-# exported from the start, at 0, as vLLM does. A hand-over ends the prefill side's part as vLLM's prefill
-# instance ends it: at its max_tokens of 1.
-VLLM_FINISHED = {"stop": "stop", "eos": "stop", "length": "length", "hand-over": "length", "abort": "abort",
-                 "error": "error"}
-VLLM_LABELS = ("engine", "model_name")
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -89,10 +85,11 @@ def _add_samples(family: Family, m: Metric, labels: dict[str, str], created_s: f
         family.add_sample(f"{name}_created", labels, created_s)
         return
     if isinstance(m.value, dict):  # (vLLM keys request_success by its own words: translated, each from 0)
-        words = {w: 0.0 for w in dict.fromkeys(VLLM_FINISHED.values())}
+        words = {w: 0.0 for w in API_WORDS.values() if w is not None}
         for key, value in m.value.items():
-            word = VLLM_FINISHED.get(str(key), str(key))
-            words[word] = words.get(word, 0.0) + value
+            word = API_WORDS[FinishReason(key)]
+            if word is not None:
+                words[word] += value
         series = [({**labels, "finished_reason": w}, v) for w, v in words.items()]
     else:
         series = [(labels, m.value)]

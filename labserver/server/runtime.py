@@ -110,7 +110,7 @@ class Runtime:
             logger.error("strategy %r cannot serve %r: %s", self.strategy.name, cfg.model, e)
             return
         self.state = "ready"
-        logger.info("serving %s with strategy %s", getattr(self.model, "name", cfg.model), self.strategy.name)
+        logger.info("serving %s with strategy %s", self.model.name, self.strategy.name)
 
     async def wait_loaded(self) -> None:
         if self._load_task is not None:

@@ -33,7 +33,7 @@ def max_model_len(rt: Runtime) -> int | None:
     model = rt.model
     if model is None:
         return None
-    length = getattr(model, "max_tokens", None)  # (an encoder's)
+    length = model.max_tokens  # type: ignore[union-attr]  # (an encoder's)
     return int(length) if length else None
 
 

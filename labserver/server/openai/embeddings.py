@@ -50,12 +50,9 @@ def _inputs(doc: Any, max_inputs: int) -> list[str]:
 
 
 def _tokens(rt: Runtime, texts: list[str]) -> int:
-    tokenizer = getattr(rt.model, "tokenizer", None)
-    if tokenizer is None:
-        return sum(len(t.split()) for t in texts)
-    limit = getattr(rt.model, "max_tokens", None)
-    ids = tokenizer(texts, truncation=limit is not None, max_length=limit)["input_ids"]
-    return sum(len(x) for x in ids)
+    """The input's tokens as the model counts them; words, where it cannot say (all 0)."""
+    counts = rt.model.count_tokens(texts)  # type: ignore[union-attr]
+    return sum(counts) if any(counts) else sum(len(t.split()) for t in texts)
 
 
 def _vector(output: Any, fmt: str) -> Any:

@@ -34,6 +34,7 @@ from starlette.responses import Response
 
 from ... import wire
 from ...engine import Seq
+from ...engine.ending import FinishReason
 from ...models import GenModel, Sampling
 from ...models.base import prompt_of_ids
 from ..handling import ClientError, FastJSON, answer, cache_salt, request_class
@@ -41,14 +42,12 @@ from ..runtime import Runtime
 from ..streaming import SeqStream, generation_engine, letting_go, wait_all, wait_first_token
 from .catalog import check_model, served_name
 from .errors import openai_error_body, openai_failure
+from .finish import api_word
 from .logprobs import chat_logprobs, completion_logprobs, prompt_entries
 from .params import COMPLETION_DEFAULT_MAX_TOKENS, GenRequest, ignored_header, parse_request
 from .text import TextStream
 
 __all__ = ["post_chat", "post_completions"]
-
-_FINISH = {"length": "length", "eos": "stop", "stop": "stop"}  # engine's reason -> OpenAI's
-
 
 @dataclass
 class _Reply:
@@ -178,7 +177,7 @@ class _Scores:
 
 
 def finish_reason(seq: Seq, text: TextStream) -> str:
-    return "stop" if text.stopped else _FINISH.get(seq.finish_reason or "", "stop")
+    return api_word(FinishReason.STOP if text.stopped else seq.finish_reason)
 
 
 def chat_template(model: GenModel) -> Callable[[list[dict[str, str]]], str] | None:
