@@ -16,9 +16,9 @@ order turns (round 1: vLLM first, whose saturation sets the open-loop rates):
    ``/v1/completions``, ``ignore_eos``, 128 tokens an answer for one stream and 64 for
    more), output tokens/s in the window; each ratio the median of the rounds', each
    round's printed;
-3. **open loop** (round 1): Poisson arrivals at 0.5, 0.9 and 1.3 x vLLM's saturated
-   request rate (its 32-stream tokens/s over 64 tokens), at least ``--open-requests``
-   each, TTFT and ITL p50/p99 measured by labserver's load generator from the scheduled send;
+3. **open loop** (round 1): ``--open-requests`` Poisson arrivals at 0.5, 0.9 and 1.3 x
+   vLLM's saturated request rate (its 32-stream tokens/s over 64 tokens), TTFT and ITL
+   p50/p99 measured by labserver's load generator from the scheduled send;
 4. **exact** (round 1): 16 chat questions x 64 greedy tokens in float32 on labserver and
    vLLM (``return_token_ids``); where two answers part, labserver's own top two
    log-probabilities there (asked with the common prefix as a token-id prompt): a
@@ -123,11 +123,12 @@ def closed(server: dict[str, Any], n: int, texts: list[str], args: argparse.Name
 
 
 def open_loop(server: dict[str, Any], rate: float, texts: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """Poisson arrivals at ``rate`` for ``--open-requests`` of them (at least 20 s): latencies from the send."""
-    duration = max(20.0, args.open_requests / rate)
+    """``--open-requests`` Poisson arrivals at ``rate`` (the same schedule for every server): latencies from the
+    scheduled send, a p99 from that many answers."""
     result = run_load_sync(server["url"], api="openai-completions", model=server["model"], arrival="poisson",
-                           rate_per_s=rate, duration_s=duration, payload=texts, new_tokens=args.answer_tokens,
-                           ignore_eos=True, stream=True, seed=args.seed, timeout_s=600.0, progress=False)
+                           rate_per_s=rate, max_requests=args.open_requests, payload=texts,
+                           new_tokens=args.answer_tokens, ignore_eos=True, stream=True, seed=args.seed,
+                           timeout_s=600.0, progress=False)
     s = analysis.summarize(result.records, tokens=result.tokens)
     return {"rate": rate, "requests": int(s["count"]), "errors": int(s["count"] - s["n_ok"]),
             **{k: float(s.get(k, math.nan)) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",

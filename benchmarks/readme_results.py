@@ -39,15 +39,11 @@ QUOTED: list[tuple[str, str]] = [
     ("kvperf", "2 prefix cache: p50 TTFT"),
     ("kvperf", "3 chunked/eager p99 ITL"),
     ("specperf", "ngram, input-grounded, 1 stream"),
-    ("specperf", "ngram, open-ended chat, 1 stream"),
     ("specperf", "ngram, input-grounded, 16 streams: always on"),
     ("routeperf", "5 live cache affinity: prefix-aware / pow2 p50 TTFT"),
     ("disagg", "live, p99 ITL (300 requests)"),
     ("disagg", "live, p50 TTFT"),
-    ("crosscheck", "1 labserver / guidellm TTFT p50"),
-    ("crosscheck", "1 labserver / guidellm mean ITL"),
     ("crosscheck", "1 labserver's mean ITL / the server's own"),
-    ("crosscheck", "1 guidellm's mean ITL / the server's own"),
 ]
 
 
@@ -99,7 +95,7 @@ def _value(row: dict[str, Any]) -> str:
 
 def _line(name: str, row: dict[str, Any]) -> str:
     detail = row["detail"].replace("|", "/")
-    detail = detail if len(detail) <= 110 else detail[:107].rsplit(" ", 1)[0] + " ..."
+    detail = detail if len(detail) <= 60 else detail[:57].rsplit(" ", 1)[0] + " ..."
     return f"| {row['target']} | **{_value(row)}** | {row['goal']} | {row.get('result', 'INFO')} | {name}: {detail} |"
 
 
