@@ -19,6 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::F
 
 def test_logprobs_cross_from_a_replica_to_the_ingress_in_order() -> None:
     """A replica's events carry each token's log-probability (and echo's prompt ones) to the ingress's sequence."""
+    from labserver.engine import FinishReason
     from labserver.engine.output import Done, Made, Placed
     from labserver.models import Logprob, Sampling, load_model
 
@@ -31,7 +32,7 @@ def test_logprobs_cross_from_a_replica_to_the_ingress_in_order() -> None:
         Placed("r1"),
         Made(first.tokens[:3], first.logprobs[:3], made.prompt_logprobs, first.prefill_ms),  # type: ignore[index]
         Made.since(made, 3),
-        Done("length")]
+        Done(FinishReason.LENGTH)]
     seen = remote_answer(model, ReplayHandle(events), made.prompt_ids, 5, scoring)
     assert seen.tokens == made.tokens and seen.logprobs == made.logprobs and len(seen.logprobs) == 5
     assert seen.prompt_logprobs == made.prompt_logprobs and len(seen.prompt_logprobs) == len(made.prompt_ids) - 1

@@ -178,9 +178,10 @@ class Seq:
         """Ended for ``reason`` (``GenEngine.end`` calls this, and only it): its status, its end time, the rest of
         its text; its future settled with itself, or with ``error`` (unless someone settled it first: a client
         that left cancels it)."""
+        status = status_of(reason)  # (first: a reason that is not a FinishReason fails here, nothing half-settled)
         self.settled = True
         self.finish_reason = self.finish_reason if self.finished else reason
-        self.status = status_of(reason)
+        self.status = status
         if math.isnan(self.finished_s):
             self.finished_s = now
         if self.output is not None:
