@@ -74,7 +74,7 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
                      "itl_max_ms": float(gaps.max()) if gaps.size else float("nan"),
                      "long_answer_itl_p99_ms": float(np.percentile(itl_ms(r.tokens, long_answers["i"]), 99))
                      if len(long_answers) else float("nan"),
-                     "replicas": {k: {f: v.get(f) for f in ("role", "cores", "prefill_calls", "decode_calls",
+                     "replicas": {k: {f: v.get(f) for f in ("role", "cores", "threads", "prefill_calls", "decode_calls",
                                                              "kv_handed_in", "kv_handed_out", "kv_handovers_expired",
                                                              "tokens_generated")}
                                   for k, v in r.replicas.items()}}
@@ -147,6 +147,14 @@ def simulated(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def placement(live: dict[str, Any]) -> str:
+    """Where each arrangement's replicas ran, as they reported it: role, cores, torch threads."""
+    return "; ".join(f"{name}: " + ", ".join(f"{r['role']} on cores {r['cores']} with {r['threads']} torch "
+                                             f"thread{'' if r['threads'] == 1 else 's'}"
+                                             for r in sorted(m["replicas"].values(), key=lambda r: str(r["cores"])))
+                     for name, m in live.items())
+
+
 def sim_rows(sims: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for key, s in sims.items():
@@ -184,7 +192,7 @@ def main() -> int:
                  f"live: {args.model} on gen-continuous, greedy, {args.requests} requests at {args.rate:g}/s, half "
                  f"{args.long_prompt}-token prompts answered in {args.short_answer} tokens, half "
                  f"{args.short_prompt}-token prompts answered in {args.long_answer}; colocated first, then "
-                 "disaggregated. ") +
+                 f"disaggregated. Placement: {placement(numbers['live'])}.\n") +
               f"simulated: a virtual clock (labserver.routing.pd), costs measured here from {args.model} alone on one "
               "thread (batches 1-16) or assumed; goodput = the highest rate at which 90 % of requests meet the SLO.")
     numbers["rows"] = rows
@@ -197,6 +205,8 @@ def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
     for name, m in numbers.get("live", {}).items():
         check(m["summary"]["n_ok"] == m["summary"]["count"] > 0, f"{name}: requests failed")
         check(m["summary"]["output_tokens"] > 0, f"{name}: no tokens")
+        check(all(r["threads"] == 1 and len(r["cores"]) == 1 for r in m["replicas"].values()),
+              f"{name}: a replica not pinned to one core with one thread: {m['replicas']}")
     if "live" in numbers:
         d = numbers["live"]["disaggregated"]["counted"]
         check(d["kv_transfers"] > 0 and d["kv_transfer_bytes"] > 0, "nothing was handed over")

@@ -261,6 +261,19 @@ def test_vllms_requirements_are_read_from_its_wheel_less_what_it_never_imports(t
         "regex", 'xgrammar==0.2.8; platform_machine == "x86_64"', "fastapi[standard]<0.137.0,>=0.133.0"]
 
 
+def test_disagg_smoke_runs_both_arrangements_pinned_and_searches_splits(tmp_path: Path) -> None:
+    """benchmarks/disagg.py on the synthetic model: both arrangements live on a local Ray (each replica on one core
+    with one torch thread, as the rows' comparison needs), the KV handed over, and the simulated searches."""
+    run, numbers = smoke("disagg.py", tmp_path / "disagg.json", timeout=600)
+    live = numbers["live"]
+    assert set(live) == {"colocated", "disaggregated"}
+    roles = {name: sorted(r["role"] for r in m["replicas"].values()) for name, m in live.items()}
+    assert roles == {"colocated": ["both", "both"], "disaggregated": ["decode", "prefill"]}
+    assert all(r["threads"] == 1 and len(r["cores"]) == 1 for m in live.values() for r in m["replicas"].values())
+    assert live["disaggregated"]["counted"]["kv_transfers"] == live["disaggregated"]["summary"]["count"]
+    assert "Placement: colocated: both on cores" in run.stdout and numbers["simulated"]
+
+
 def test_graphs_smoke_pads_every_step_and_keeps_the_tokens(tmp_path: Path) -> None:
     run, numbers = smoke("graphs.py", tmp_path / "graphs.json", timeout=300)
     (m,) = numbers["models"]
