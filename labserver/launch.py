@@ -239,7 +239,7 @@ def serve(
     between them (``labserver.replicas.disagg``); ``pin_cores`` gives each replica its own CPUs.
     """
     config, obj = _prepare(strategy, model, host, port, options)
-    release_openmp_threads()  # this thread's OpenMP workers would slow the model thread's (models.base)
+    release_openmp_threads()  # this thread's OpenMP workers would slow the model thread's (models.cpu)
     if replicas is not None or disaggregate is not None:  # (serve_replicas warns as run_forever does)
         return _serve_replicas(config, obj, replicas, router, ray_address, attach, timeout_s, replica_models,
                                disaggregate, pin_cores)

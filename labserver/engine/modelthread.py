@@ -123,7 +123,7 @@ class ModelThread:
         self._jobs: queue.SimpleQueue[tuple[asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]] | None]
         self._jobs = queue.SimpleQueue()
         self._on_death = on_death
-        keep_freed_memory()  # a model built without load_model too: no page faults per op (models.base says why)
+        keep_freed_memory()  # a model built without load_model too: no page faults per op (models.cpu says why)
         self._thread = threading.Thread(target=self._run, name="labserver-model", daemon=True)
         self._thread.start()
 

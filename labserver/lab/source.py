@@ -67,7 +67,7 @@ def stale_blocks(text: str, sources: Iterable[str]) -> list[str]:
         while block and not block[-1]:
             block.pop()
         body = "\n".join(block)
-        dedented = body.replace("\n" + " " * indent, "\n")
+        dedented = "\n".join(line[indent:] for line in block)  # (every line of it holds that indent, or none)
         if len(block) >= 3 and not any(body in f or dedented in f for f in files):
             stale.append(block[0].strip())
         i = j

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import (GREEDY, MEANINGLESS, POISON, Chunk, GenModel, InputRejected, Logprob, Model, ModelError,
-                   ModelLoadError, OutOfMemory, Sampling, Scored, Verified, keep_freed_memory, minilm_dir,
-                   on_fresh_thread, pick_device, pick_dtype, release_openmp_threads)
+                   ModelLoadError, OutOfMemory, Sampling, Scored, Verified, minilm_dir, pick_device, pick_dtype)
+from .cpu import keep_freed_memory, on_fresh_thread, release_openmp_threads
 from .synthetic import (
     Echo,
     Synthetic,

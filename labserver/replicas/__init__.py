@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from ..config import ServerConfig
-from ..models.base import on_fresh_thread
+from ..models.cpu import on_fresh_thread
 from ..server.guard import is_loopback
 
 __all__ = ["APP", "ReplicasHandle", "ray_session", "serve_replicas"]

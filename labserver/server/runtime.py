@@ -77,7 +77,7 @@ class Runtime:
             if limits.compile:
                 from ..models.graphs import use_compiled
 
-                # (on a thread that ends with it: no OpenMP team left beside the model thread's; models.base)
+                # (on a thread that ends with it: no OpenMP team left beside the model thread's; models.cpu)
                 took = await asyncio.to_thread(on_fresh_thread, use_compiled(self.model).warm)
                 logger.info("compiled %s's one-sequence step in %.1f s", cfg.model, took)
         except ModelLoadError as e:
