@@ -75,7 +75,7 @@ def live(args: argparse.Namespace) -> dict[str, Any]:
                      "long_answer_itl_p99_ms": float(np.percentile(itl_ms(r.tokens, long_answers["i"]), 99))
                      if len(long_answers) else float("nan"),
                      "replicas": {k: {f: v.get(f) for f in ("role", "cores", "threads", "prefill_calls", "decode_calls",
-                                                             "kv_handed_in", "kv_handed_out", "kv_handovers_expired",
+                                                             "kv_handed_in", "kv_handed_out", "kv_handed_expired",
                                                              "tokens_generated")}
                                   for k, v in r.replicas.items()}}
         print(f"  {r.seconds:.0f} s; p50 TTFT {r.summary['ttft_p50_ms']:.0f} ms, p99 ITL "

@@ -153,7 +153,7 @@ def test_a_decode_replica_lost_before_its_pull_is_replaced_and_nothing_leaks(poo
     assert [k for k, _ in events].count("token") == 8 and events[-1][0] == "done", r.text
     assert pools.stats()["decode_retries"] == before["decode_retries"] + 1
     prefill = replica_stats(pools, "prefill", lambda s: s["kv_handed_out"] >= 1)
-    assert prefill["kv_parked"] == 0 and prefill["kv_blocks"]["used"] == 0 and prefill["kv_handovers_expired"] == 0
+    assert prefill["kv_parked"] == 0 and prefill["kv_blocks"]["used"] == 0 and prefill["kv_handed_expired"] == 0
     assert replica_stats(pools, "decode", lambda s: s["kv_handed_in"] == 1)["kv_imported_tokens"] == 3
 
 

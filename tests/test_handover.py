@@ -110,7 +110,7 @@ def test_kv_never_pulled_is_freed_after_the_timeout_and_a_late_pull_is_refused()
             connector = prefill.connector
             connector.parking.expired = lambda s: (connector._expired(s), expired.set_result(s))
             assert await asyncio.wait_for(expired, 5) is seq
-            assert prefill.blocks.used == 0 and prefill.stats()["kv_handovers_expired"] == 1
+            assert prefill.blocks.used == 0 and prefill.stats()["kv_handed_expired"] == 1
             with pytest.raises(ReplicaLost, match="no longer holds"):
                 await prefill.connector.pull(seq.sid)
 

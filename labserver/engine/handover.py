@@ -14,7 +14,7 @@ given back (``finished``) but *parked* under a ticket (its sequence id)::
 
     parked ──pull(ticket)──► a copy of its KV (the model's ``export_kv``, off the model thread),
       │                      then its blocks go back (kept as prefix-cache blocks when caching)
-      └──timeout_s──► freed unpulled (a decode side that died or gave up): ``kv_handovers_expired``
+      └──timeout_s──► freed unpulled (a decode side that died or gave up): ``kv_handed_expired``
 
 The decode side. ``submit(..., kv_transfer=Handover)`` queues a sequence whose prompt's KV
 came with it (``accept``). Admitted like any other, it takes its blocks (the prefix cache
@@ -187,7 +187,7 @@ class HandoverConnector(KVConnector):
                         tuple(seq.prompt_logprobs))
 
     def _expired(self, seq: Seq) -> None:
-        self.engine.counters.kv_handovers_expired += 1
+        self.engine.counters.kv_handed_expired += 1
         logger.warning("request %s: its KV was not pulled within %g s; freed", seq.request_id,
                        self.engine.limits.handover_timeout_s)
 

@@ -120,7 +120,7 @@ class Made:
 @dataclass(frozen=True)
 class Done:
     """Answered: why it ended, and what its engine counted of it; ended for a hand-over (a prefill replica's), the
-    ticket its KV waits under for a decode replica's pull (``labserver.engine.handover``)."""
+    ticket its KV waits under for a decode replica's pull (``labserver.engine.connector``)."""
 
     finish_reason: FinishReason
     decode_calls: int = 0

@@ -74,8 +74,7 @@ class StepCounters(GenCounters):
     spec_verify_ms: float = count("Speculative decoding: milliseconds of the model calls that verified guesses")
     kv_handed_out: int = count("Disaggregated prefill side: sequences whose KV a decode replica pulled")
     kv_handed_out_bytes: int = count("Disaggregated prefill side: bytes of KV copied for decode replicas")
-    kv_handovers_expired: int = count("Disaggregated prefill side: hand-overs freed unpulled after "
-                                      "handover_timeout_s")
+    kv_handed_expired: int = count("Disaggregated prefill side: KV freed unpulled when its wait timed out")
     kv_handed_in: int = count("Disaggregated decode side: sequences admitted with their prompt's KV computed elsewhere")
     kv_imported_tokens: int = count("Disaggregated decode side: positions written from hand-overs (past prefix-cache "
                                     "hits)")
