@@ -86,7 +86,8 @@ class Replica:
     """
 
     async def __init__(self, config: ServerConfig, board: Any, models: list[str] | None = None, role: str = "",
-                       prefill: Any = None, cores: list[list[int]] | None = None, threads: int | None = None) -> None:
+                       prefill: Any = None, *, cores: list[list[int]] | None = None,
+                       threads: int | None = None) -> None:  # (placement by keyword: never taken for a role)
         context = serve.get_replica_context()
         self.rank = context.rank.rank if context.rank is not None else 0
         self.role, self.prefill, self.crash = role, prefill, ""
