@@ -29,7 +29,12 @@ order turns (round 1: vLLM first, whose saturation sets the open-loop rates):
    ``add_cli_args`` and ``main`` (its CLI looks its version up under the name ``vllm``);
 6. **lm-eval** (round 1, ``lmevalcheck.py``): ``local-completions`` with its default
    settings (token-id prompts) against labserver, beside its transformers backend on the
-   folder: scores, log-likelihoods and generations.
+   folder: scores, log-likelihoods and generations;
+7. **the engine's own steps** (once, first, before any server runs): the model's decode
+   step of one sequence against its memory floor (the bytes a step reads over this machine's
+   read bandwidth, measured here as ``benchmarks/roofline.py`` measures it: a plain sum over
+   1 GiB, the median of the rounds), and its decode call of 16 against transformers' own
+   dense-cache step, both at ``--context`` tokens.
 
 ``--smoke``: labserver alone on gpt2-tiny-random, parts 1-3, judged on what was measured.
 """
@@ -51,26 +56,27 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 import lmevalcheck
 import realmodel
 from genperf import Checks, RunClock, exit_status, per, row, write_results
 
 from labserver import analysis
-from labserver.experiments import peers
+from labserver.experiments import peers, roofline
 from labserver.experiments.runs import machine_info
 from labserver.load.prompts import QUESTIONS
 from labserver.loadgen import run_load_sync
-from labserver.models import smollm2
+from labserver.models import load_model, release_openmp_threads, smollm2
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks" / ".peers"
 OURS, VLLM, LLAMA = "labserver", "vLLM", "llama-server"
 FULL = dict(model="smollm2", rounds=2, warmup=10.0, duration=30.0, streams="1,16,32", answer_tokens=64,
             one_stream_tokens=128, prompt_tokens=32, quiet_wait=120.0, max_rest=0.6, open_requests=300,
-            exact_questions=16, exact_tokens=64, servers=f"{OURS},{VLLM},{LLAMA}")
+            exact_questions=16, exact_tokens=64, servers=f"{OURS},{VLLM},{LLAMA}", context=128, batch=16)
 SMOKE = dict(model="gpt2-tiny-random", rounds=1, warmup=0.5, duration=2.0, streams="1,4", answer_tokens=16,
              one_stream_tokens=16, prompt_tokens=16, quiet_wait=0.0, max_rest=math.inf, open_requests=40,
-             exact_questions=2, exact_tokens=8, servers=OURS)
+             exact_questions=2, exact_tokens=8, servers=OURS, context=32, batch=4)
 OPEN_LOADS = (0.5, 0.9, 1.3)  # x vLLM's saturated request rate
 NEAR_TIE = 1e-3
 MEANING = ("labserver and vLLM run the same float32 weights (labserver's converted folder, loaded unchanged by "
@@ -237,10 +243,37 @@ def run_server(who: str, rnd: int, numbers: dict[str, Any], texts: list[str], ar
                     print(f"SKIP {part}: {e}", file=sys.stderr)
 
 
+def engine(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 7, in this process before any server starts; its OpenMP team freed after (``models.cpu``)."""
+    print("the engine's own steps ...", file=sys.stderr)
+    gen = load_model(args.model)
+    bandwidth = roofline.read_bandwidth()
+    with torch.inference_mode():
+        one = roofline.step_ms(gen, roofline.decode_chunks(gen, 1, args.context), 20)
+        call = roofline.step_ms(gen, roofline.decode_chunks(gen, args.batch, args.context), 20)
+    dense = roofline.dense_step_ms(gen, args.batch, args.context)
+    release_openmp_threads()
+    return {"bandwidth_gb_s": bandwidth, "step_1_ms": one, "bytes_1": roofline.bytes_read(gen)
+            + args.context * gen.kv_bytes_per_token, f"call_{args.batch}_ms": call, "dense_ms": dense}
+
+
+def engine_rows(m: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    bw = statistics.median(m["bandwidth_gb_s"])
+    floor = m["bytes_1"] / bw / 1e6
+    call, dense = m[f"call_{args.batch}_ms"], m["dense_ms"]
+    return [row(f"roofline: {args.model} decode step of 1 / its memory floor", per(m["step_1_ms"], floor), "<= 1.5",
+                m["step_1_ms"] <= 1.5 * floor, f"{m['step_1_ms']:.2f} vs {floor:.2f} ms ({m['bytes_1'] / 1e6:.0f} MB "
+                f"at {bw:.1f} GB/s: a sum over 1 GiB, the median of {len(m['bandwidth_gb_s'])} rounds, which read "
+                f"{min(m['bandwidth_gb_s']):.1f} to {max(m['bandwidth_gb_s']):.1f}), at a context of {args.context}"),
+            row(f"decode call of {args.batch}: labserver {args.model} / transformers' dense-cache step",
+                per(call, dense), "<= 0.8", call <= 0.8 * dense, f"{call:.1f} vs {dense:.1f} ms at a context of "
+                f"{args.context} tokens, the same float32 weights (the engine's model call, offline)")]
+
+
 # -- the table ------------------------------------------------------------------------------------------------
 
 def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = []
+    rows = engine_rows(numbers["engine"], args) if numbers.get("engine") else []
     ran = [w for w in (OURS, VLLM, LLAMA) if w in numbers["start"]]
     for n, by in numbers["streams"].items():
         label = f"{n} stream{'s' if n != '1' else ''}:"
@@ -310,7 +343,7 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
 
 def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
     check = Checks()
-    check.rows(numbers["rows"], ["start:"])
+    check.rows(numbers["rows"], ["start:", "roofline:", "decode call of"])
     for n in args.streams.split(","):
         for m in numbers["streams"][n][OURS]:
             check.positive(m["tps"], f"{n} streams: tokens/s")
@@ -326,13 +359,13 @@ def main() -> int:
     for name in ("model", "streams", "servers"):
         ap.add_argument(f"--{name}")
     for name in ("rounds", "answer_tokens", "one_stream_tokens", "prompt_tokens", "open_requests", "exact_questions",
-                 "exact_tokens"):
+                 "exact_tokens", "context", "batch"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=int)
     for name in ("warmup", "duration", "quiet_wait", "max_rest"):
         ap.add_argument(f"--{name.replace('_', '-')}", type=float)
     ap.add_argument("--bench-prompts", type=int, default=200, help="vllm bench serve's random prompts")
     ap.add_argument("--bench-rate", type=float, default=4.0, help="... sent at this rate")
-    ap.add_argument("--skip", default="", help="parts to leave out: bench_serve, lm_eval (comma-separated)")
+    ap.add_argument("--skip", default="", help="parts to leave out: bench_serve, lm_eval, engine (comma-separated)")
     ap.add_argument("--retries", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="labserver alone, tiny; judged on what was measured")
@@ -351,6 +384,8 @@ def main() -> int:
                                "start": {}, "streams": {}, "open": {}, "answers": {}}
     texts = realmodel.prompts(args)
     numbers["exact_prompts"] = chat_prompts(args)
+    if "engine" not in args.skip:
+        numbers["engine"] = engine(args)
     who = [w for w in (VLLM, OURS, LLAMA) if w in args.servers]  # round 1: vLLM first (its saturation: the rates)
     for rnd in range(args.rounds):
         for name in who[rnd % len(who):] + who[:rnd % len(who)]:

@@ -49,6 +49,7 @@ from typing import Any
 import genperf  # (benchmarks/ is the script's folder: on the path)
 from genperf import Checks, check_run, exit_status, measure, offline_engine, per, row, save_json, server, workload
 
+from labserver.experiments import roofline
 from labserver.experiments.runs import machine_info
 from labserver.models import load_model, on_fresh_thread
 from labserver.models.gpt2 import Costs
@@ -147,23 +148,8 @@ def served(gen: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def dense_step_ms(gen: Any, batch: int, context: int, steps: int = 30) -> float:
-    """transformers' GPT-2 with its dense cache: median ms of one decode step of ``batch`` sequences at ``context``."""
-    import torch
-
-    model, dev = gen.hf_model, gen.hf_model.device
-    ids = torch.randint(1000, 20000, (batch, context), generator=torch.Generator().manual_seed(0)).to(dev)
-    times = []
-    with torch.inference_mode():
-        out = model(input_ids=ids, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-            if dev.type == "cuda":  # (a GPU's step ends when its kernels do, not when they are launched)
-                torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+    """transformers' own model with its dense cache: ``labserver.experiments.roofline.dense_step_ms``."""
+    return roofline.dense_step_ms(gen, batch, context, steps)
 
 
 def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:

@@ -14,7 +14,11 @@ print and notebook 9 draws:
   paged pool (the call a server's engine makes), timed;
 - ``profile_step``: one step under ``torch.profiler``, its self CPU time by slice (``SLICES``),
   and the Python and dispatch between ops that no op accounts for;
-- ``layouts``: the same products over a model's weights in three layouts (oneDNN's among them).
+- ``layouts``: the same products over a model's weights in three layouts (oneDNN's among them);
+- ``read_bandwidth``: a plain sum over a large tensor, every round's figure (a floor judged in a run is drawn from
+  the median of them, not the best: what the machine gave that run, not its peak);
+- ``dense_step_ms``: transformers' own model with its dense cache, one decode step of a batch (the reference a
+  paged step is held against).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ import torch
 
 from ..models import Chunk
 
-__all__ = ["SLICES", "best_s", "bytes_read", "decode_chunks", "floors", "layouts", "machine", "median_s",
-           "profile_step", "step_ms", "weights"]
+__all__ = ["SLICES", "best_s", "bytes_read", "decode_chunks", "dense_step_ms", "floors", "layouts", "machine",
+           "median_s", "profile_step", "read_bandwidth", "step_ms", "weights"]
 
 SLICES = {  # op name -> slice (ops not named: "other ops")
     "aten::mm": "matmuls", "aten::addmm": "matmuls", "aten::bmm": "matmuls", "mkldnn::_linear_pointwise": "matmuls",
@@ -224,3 +228,29 @@ def bytes_read(gen: Any) -> int:
     stored = sum(m.weight.numel() * m.weight.element_size() for m in gen.hf_model.modules()
                  if isinstance(m, torch.nn.Linear) and m is not gen.hf_model.get_output_embeddings())
     return int(total - stored + held())
+
+
+def read_bandwidth(mb: int = 1024, rounds: int = 9) -> list[float]:
+    """GB/s of a plain ``sum`` over a float32 tensor of ``mb`` MiB (far larger than any cache), once a round, with
+    torch's own threads: every round's figure, in order (a first, unmeasured sum touches the pages)."""
+    a = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+    return [a.numel() * 4 / t / 1e9 for t in _times(lambda: a.sum(), rounds)]
+
+
+def dense_step_ms(gen: Any, batch: int, context: int, steps: int = 20) -> float:
+    """transformers' own model under ``gen`` with its dense cache (``DynamicCache``: each sequence's keys and values
+    side by side, read in place): the median ms of one decode step of ``batch`` sequences at ``context`` tokens."""
+    model, dev = gen.hf_model, gen.hf_model.device
+    ids = torch.randint(1000, 20000, (batch, context), generator=torch.Generator().manual_seed(0)).to(dev)
+    times = []
+    with torch.inference_mode():
+        out = model(input_ids=ids, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            if dev.type == "cuda":  # (a GPU's step ends when its kernels do, not when they are launched)
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
