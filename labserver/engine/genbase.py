@@ -156,8 +156,9 @@ class GenEngine(EngineBase):
         constraint (``models.grammar.Grammars``: off the event loop and the model thread). InputRejected for one that
         does not compile, or not in time."""
         if not self.scores:
-            raise InputRejected(f"structured outputs: {self.model.name} computes no scores for a grammar to mask; "
-                                "serve a real model (smollm2, a folder)", param="response_format")
+            raise InputRejected(f"structured outputs: {self.model.name} under {self.strategy.name} computes no scores "
+                                "for a grammar to mask; serve a real model (smollm2, a folder) with gen-continuous or "
+                                "gen-paged", param="response_format")
         if self.grammars is None:
             self.grammars = Grammars(self.model)
         return await self.grammars.compile(constraint)

@@ -290,11 +290,6 @@ class HFEngine(GenEngine):
 
     scores = False  # transformers' manager hands back tokens, not their scores
 
-    async def grammar(self, constraint: Any) -> Any:
-        raise InputRejected(f"structured outputs: {self.strategy.name} runs transformers' manager, which chooses "
-                            "tokens with no mask; serve with gen-continuous for a schema, regex, choice or grammar",
-                            param="response_format")
-
     def check(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling | None,
               stop: Sequence[str], min_tokens: int) -> None:
         super().check(prompt_ids, max_new_tokens, sampling, stop, min_tokens)
