@@ -3,7 +3,7 @@ what a compile costs cold and cached. ``benchmarks/structured.py`` and notebook 
 
 - ``answer_all``: the tasks (``labserver.load.shapes``) as greedy chat requests over ``streams``
   concurrent clients (1: one at a time), each with its schema's ``response_format`` or without
-  (``shaped``): output tokens per second over the wall time, every answer with its finish reason
+  (``shaped``; or without, made to given lengths): output tokens per second over the wall time, every answer with its finish reason
   and whether it fits its schema, and, from ``/stats`` and the step log of the same window, the
   mask's seconds, its rows and the seconds of the model calls it was part of;
 - ``compile_times``: a fresh ``Grammars`` for a model: the vocabulary's preparation, each
@@ -27,8 +27,10 @@ from ..load.shapes import SCHEMAS, ShapedTask, fits, response_format
 __all__ = ["answer_all", "compile_times", "mask_costs"]
 
 
-def _ask(client: httpx.Client, url: str, model: str, task: ShapedTask, shaped: bool, max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "messages": task.messages, "max_tokens": max_tokens, "temperature": 0.0}
+def _ask(client: httpx.Client, url: str, model: str, task: ShapedTask, shaped: bool, max_tokens: int,
+         ignore_eos: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "messages": task.messages, "max_tokens": max_tokens, "temperature": 0.0,
+                            "ignore_eos": ignore_eos}
     if shaped:
         body["response_format"] = response_format(task.schema)
     r = client.post(url + wire.V1_CHAT_PATH, json=body, timeout=600)
@@ -39,19 +41,24 @@ def _ask(client: httpx.Client, url: str, model: str, task: ShapedTask, shaped: b
             "finish": doc["choices"][0]["finish_reason"], "fits": fits(text, task.schema)}
 
 
-def answer_all(url: str, model: str, tasks: list[ShapedTask], *, shaped: bool, max_tokens: int, streams: int = 1,
-               handle: Any = None) -> dict[str, Any]:
-    """Every task answered, ``streams`` at a time (stream i takes tasks i, i + streams, ...); ``handle`` (a
+def answer_all(url: str, model: str, tasks: list[ShapedTask], *, shaped: bool, max_tokens: int | list[int],
+               streams: int = 1, handle: Any = None) -> dict[str, Any]:
+    """Every task answered, ``streams`` at a time (stream i takes tasks i, i + streams, ...); ``max_tokens`` a list:
+    each task's own budget, made in full (``ignore_eos``: free answers of given lengths); ``handle`` (a
     ``ServerHandle`` in this process): the mask's costs in the window too (``mask_costs``)."""
+    exact = isinstance(max_tokens, list)
+    budgets = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(tasks)
     before = httpx.get(url + "/stats", timeout=30).json()
     start = time.perf_counter()
 
     def stream(i: int) -> list[dict[str, Any]]:
         with httpx.Client() as client:
-            return [_ask(client, url, model, t, shaped, max_tokens) for t in tasks[i::streams]]
+            return [_ask(client, url, model, t, shaped, n, exact)
+                    for t, n in zip(tasks[i::streams], budgets[i::streams], strict=True)]
 
     with ThreadPoolExecutor(streams) as pool:
-        answers = [a for part in pool.map(stream, range(streams)) for a in part]
+        parts = list(pool.map(stream, range(streams)))
+    answers = [parts[i % streams][i // streams] for i in range(len(tasks))]  # (in the tasks' order)
     end = time.perf_counter()
     after = httpx.get(url + "/stats", timeout=30).json()
     tokens = sum(a["tokens"] for a in answers)
