@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from genperf import Checks, RunClock, exit_status, per, row, write_results
+from genperf import Checks, RunClock, exit_status, per, row, sized_args, write_results
 
 import labserver
 from labserver.experiments import peers
@@ -120,16 +120,8 @@ def vllm_run(tasks: list[Any], args: argparse.Namespace) -> dict[str, Any] | Non
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for name in FULL:
-        ap.add_argument(f"--{name.replace('_', '-')}", type=type(FULL[name]))
     ap.add_argument("--peers", default=str(ROOT / "benchmarks" / ".peers"), help="where vLLM's venv is")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--smoke", action="store_true", help="tiny; exit on checks of what was measured, not on goals")
-    ap.add_argument("--out", default="results/structured/cpu.json")
-    args = ap.parse_args()
-    for k, v in (SMOKE if args.smoke else FULL).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    args = sized_args(ap, FULL, SMOKE, "results/structured/cpu.json")
     clock = RunClock()
     gen = load_model(args.model, device="cpu", kind="generate")
     tasks = ShapedTasks().take(args.requests, np.random.default_rng(args.seed))
