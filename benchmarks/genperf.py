@@ -303,6 +303,21 @@ def save_json(out_path: str, numbers: dict[str, Any]) -> Path:
     return out
 
 
+def sized_args(ap: argparse.ArgumentParser, full: dict[str, Any], smoke: dict[str, Any], out: str) -> Any:
+    """A benchmark's options: one per ``full`` key (its type; left out, ``full``'s value, or ``smoke``'s under
+    ``--smoke``), ``--seed``, ``--smoke`` and ``--out``."""
+    for name, value in full.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=type(value) if value is not None else str)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="tiny; exit on checks of what was measured, not on goals")
+    ap.add_argument("--out", default=out)
+    args = ap.parse_args()
+    for k, v in (smoke if args.smoke else full).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
 def exit_status(args: Any, numbers: dict[str, Any], rows: list[dict[str, Any]],
                 smoke_checks: Callable[[dict[str, Any], Any], Checks]) -> int:
     """A smoke run's verdict (it measured what it reports), else 1 when a target FAILed: every benchmark's end."""

@@ -40,6 +40,8 @@ QUOTED: list[tuple[str, str]] = [
     ("kvperf", "3 chunked/eager p99 ITL"),
     ("specperf", "ngram, input-grounded, 1 stream"),
     ("specperf", "ngram, input-grounded, 16 streams: always on"),
+    ("structured", "valid: constrained answers that parse and validate"),
+    ("structured", "16 streams: output tokens/s, JSON schema / free answers of the same lengths"),
     ("routeperf", "5 live cache affinity: prefix-aware / pow2 p50 TTFT"),
     ("disagg", "live, p99 ITL (300 requests)"),
     ("disagg", "live, p50 TTFT"),

@@ -302,3 +302,17 @@ def test_specverify_smoke_times_a_verification_by_batch_and_k(tmp_path: Path) ->
     assert [(c["seqs"], c["k"]) for c in m["costs"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
     assert all(c["verify_ms"] > 0 and c["one_ms"] > 0 for c in m["costs"]) and len(numbers["rows"]) == 4
 
+
+
+def test_structured_smoke_measures_every_row_and_masks_only_the_constrained(tmp_path: Path) -> None:
+    run, numbers = smoke("structured.py", tmp_path / "structured.json", "--requests", "2", "--streams", "2",
+                         "--stream-requests", "2", "--max-tokens", "12")
+    targets = [r["target"] for r in numbers["rows"]]
+    for start in ("1 stream: output tokens/s", "2 streams: output tokens/s", "mask, 1 stream", "mask, 2 streams",
+                  "compile: a cached schema", "valid: constrained answers that parse and validate", "vLLM:"):
+        assert any(t.startswith(start) for t in targets), start
+    lines = (tmp_path / "structured.txt").read_text().splitlines()
+    assert lines[0].startswith("$ python ") and "structured.py" in lines[0]
+    assert all(line.endswith(("; PASS", "; FAIL", "; INFO", "; SKIP")) for line in lines[3:3 + len(targets)])
+    (r,) = numbers["1"]
+    assert r["schema"]["mask_rows"] > 0 and r["free"]["mask_rows"] == 0

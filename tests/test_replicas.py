@@ -102,6 +102,14 @@ def test_bad_input_is_refused_at_the_ingress_and_never_reaches_a_replica(cluster
     assert settled(cluster) == before
 
 
+def test_a_shape_crosses_to_the_replica_that_generates_and_is_judged_there(cluster: ReplicasHandle) -> None:
+    """The constraint travels in the job (plain data); the replica compiles it for its model, or refuses it in its
+    own words: here a synthetic model, with no scores to mask."""
+    r = httpx.post(cluster.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 3, "structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.status_code == 400 and "no scores for a grammar to mask" in r.json()["error"]["message"], r.text
+
+
 def settled(cluster: ReplicasHandle) -> int:
     """Requests the replicas have taken in, once two reports a second apart agree (replicas report twice a
     second, so a count read at once may lag the requests just answered)."""

@@ -246,7 +246,11 @@ def test_ignored_fields_are_accepted_named_and_logged(gen: labserver.ServerHandl
     (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "tools", "tools"),
     (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}],
-                         "response_format": {"type": "json_object"}}, "response_format", "JSON"),
+                         "response_format": {"type": "json_object"}}, "response_format", "no scores"),
+    (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}],
+                         "response_format": {"type": "json_schema"}}, "response_format", "json_schema"),
+    (wire.V1_CHAT_PATH, {"messages": [{"role": "user", "content": "x"}],
+                         "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one"),
 ])
 def test_values_that_cannot_be_honoured_are_400(gen: labserver.ServerHandle, path: str, body: dict[str, Any],
                                                 param: str | None, fragment: str) -> None:

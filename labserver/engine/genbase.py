@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..models import GREEDY, GenModel, InputRejected, Logprob, ModelLoadError, Sampling
+from ..models.grammar import Constraint, Grammar, Grammars
 from .base import Counters, EngineBase, ShuttingDown
 from .counters import Histogram, Metric, count, gauge, histogram, tally
 from .output import Detokenizer
@@ -140,11 +141,27 @@ class GenEngine(EngineBase):
         self._eos_ids = frozenset(self.model.eos_ids)
         self.counters.sized_for(self.model.max_context)
         self.eos_standin = EosStandIn(self.limits.eos_prob)
+        self.grammars: Grammars | None = None  # compiled grammars (structured outputs), made at the first constraint
 
     def emit(self, seq: Seq, token: int, now: float, logprob: Logprob | None = None) -> None:
-        """A token the model made for ``seq`` (or EOS in its place: ``eos_prob``), handed over."""
+        """A token the model made for ``seq`` (or EOS in its place: ``eos_prob``, never where a grammar decides the
+        end), handed over."""
         self.counters.token_made(seq, now)
-        seq.emit(self.eos_standin(seq, token, self.model.eos_id), now, self.model.eos_id, self._eos_ids, logprob)
+        if seq.grammar is None:
+            token = self.eos_standin(seq, token, self.model.eos_id)
+        seq.emit(token, now, self.model.eos_id, self._eos_ids, logprob)
+
+    async def grammar(self, constraint: Constraint) -> Grammar:
+        """What ``submit(grammar=...)`` takes for ``constraint``: compiled for this model's vocabulary, once per
+        constraint (``models.grammar.Grammars``: off the event loop and the model thread). InputRejected for one that
+        does not compile, or not in time."""
+        if not self.scores:
+            raise InputRejected(f"structured outputs: {self.model.name} under {self.strategy.name} computes no scores "
+                                "for a grammar to mask; serve a real model (smollm2, a folder) with gen-continuous or "
+                                "gen-paged", param="response_format")
+        if self.grammars is None:
+            self.grammars = Grammars(self.model)
+        return await self.grammars.compile(constraint)
 
     @staticmethod
     def kv_budget_tokens(limits: Any, model: GenModel) -> int:
@@ -209,7 +226,7 @@ class GenEngine(EngineBase):
     def submit(self, prompt_ids: list[int], max_new_tokens: int, *, ignore_eos: bool = False, request_id: str = "",
                sampling: Sampling | None = None, stop: Sequence[str] = (), min_tokens: int = 0, priority: int = 0,
                tenant: str = "", parent: Seq | None = None, cache_salt: str = "", remote_decode: bool = False,
-               kv_transfer: Any = None) -> Seq:
+               kv_transfer: Any = None, grammar: Grammar | None = None) -> Seq:
         """Queue one sequence. Raises InputRejected (too long), Overloaded, ShuttingDown or WorkerDied.
 
         ``sampling`` None is greedy; ``stop`` strings end it early ("stop"); EOS cannot end it
@@ -219,10 +236,14 @@ class GenEngine(EngineBase):
         Through the engine's KV connector (vLLM's ``kv_transfer_params``): ``remote_decode``, end it
         after its first token with its KV kept for another engine; ``kv_transfer``, what another
         engine made of it (its prompt's KV and first token), which the connector writes when it is admitted.
+        ``grammar`` (``await grammar(constraint)``): the shape of its answer; it gets a matcher of its own.
         """
         if (remote_decode or kv_transfer is not None) and self.connector is None:
             raise InputRejected(f"{self.strategy.name} with {self.model.name} has no KV connector: its KV cannot "
                                 "cross engines (disaggregated serving needs gen-continuous or gen-paged)")
+        if grammar is not None and (remote_decode or kv_transfer is not None):
+            raise InputRejected("a structured output is generated on one engine: its KV cannot cross engines",
+                                "response_format")
         self.check(prompt_ids, max_new_tokens, sampling, stop, min_tokens)
         self.admit_or_refuse(1)
         now = self.clock()
@@ -230,9 +251,11 @@ class GenEngine(EngineBase):
             sampling = replace(sampling or GREEDY, eos_from=len(prompt_ids) + min_tokens)
         seed = hash((tuple(prompt_ids), sampling.seed if sampling else None))  # its EOS stand-in: per request
         request = Request(prompt_ids, max_new_tokens, now, ignore_eos, request_id, sampling, tuple(stop), min_tokens,
-                          priority, tenant, seed, cache_salt, remote_decode)
+                          priority, tenant, seed, cache_salt, remote_decode,
+                          grammar.constraint if grammar is not None else None)
         seq = Seq(next(self._sids), request, asyncio.get_running_loop().create_future(), self.deadline_s(now),
-                  parent=parent, output=Detokenizer(self.model.text, stop))
+                  parent=parent, output=Detokenizer(self.model.text, stop),
+                  grammar=grammar.matcher() if grammar is not None else None)
         if kv_transfer is not None:
             self.connector.accept(seq, kv_transfer)
         self.queue.put([seq])
@@ -244,8 +267,22 @@ class GenEngine(EngineBase):
                                                                           "stopped"))
 
     def metrics(self) -> list[Metric]:
+        g = self.grammars
+        grammars = [] if g is None else [
+            Metric("grammar_compiles", "Structured outputs: grammars compiled (a schema, regex, choice or EBNF)",
+                   "counter", g.compiles),
+            Metric("grammar_cache_hits", "Structured outputs: constraints whose grammar was already compiled",
+                   "counter", g.hits),
+            Metric("grammar_refused", "Structured outputs: constraints refused (malformed, or too slow to compile)",
+                   "counter", g.refused),
+            Metric("grammar_compile_seconds", "Structured outputs: time spent compiling grammars, s", "counter",
+                   round(g.compile_s, 6)),
+            Metric("grammar_mask_seconds", "Structured outputs: time spent filling and applying token masks, s",
+                   "counter", round(g.mask_s, 6)),
+            Metric("grammar_mask_rows", "Structured outputs: score rows masked (one per constrained token)",
+                   "counter", g.mask_rows)]
         return [*super().metrics(), gauge("running", "Sequences in the running batch", len(self.running),
-                                          peer="vllm:num_requests_running")]
+                                          peer="vllm:num_requests_running"), *grammars]
 
 
 kv_budget_tokens = GenEngine.kv_budget_tokens  # (the rule both generation engines size their KV pool by)

@@ -212,15 +212,17 @@ class Scheduler:
         scoring = seq.wants_prompt_scores and len(seq.prompt_logprobs) == start  # (echo: from position 1 on)
         score = prompt[start + 1:start + n + 1] if scoring else ()
         return Chunk(seq.sid, tokens, start, tuple(self.blocks.tables[seq.sid]), sample=start + n == seq.kv_tokens,
-                     sampling=seq.sampling, prompt_len=len(prompt), score=score, decode=seq.decoding)
+                     sampling=seq.sampling, prompt_len=len(prompt), score=score, decode=seq.decoding,
+                     grammar=None if seq.finished else seq.grammar)
 
     def guessing(self, call: ModelCall, k: int, max_context: int) -> list[tuple[Seq, int]]:
         """The call's decoding sequences that may take guesses, with at most how many each: k, fewer near its
-        ``max_new_tokens`` (a verification makes up to guesses + 1 tokens) or the model's context."""
+        ``max_new_tokens`` (a verification makes up to guesses + 1 tokens) or the model's context. None with a
+        grammar: its answer is made one masked token at a time (speculation is off for it)."""
         out = []
         for seq, n in call.work:
             room = min(k, seq.max_new_tokens - len(seq.tokens) - 1, max_context - seq.kv_tokens)
-            if seq.sid in call.decoding and n == 1 and not seq.finished and room > 0:
+            if seq.sid in call.decoding and n == 1 and not seq.finished and room > 0 and seq.grammar is None:
                 out.append((seq, room))
         return out
 

@@ -43,6 +43,7 @@ class Request:
     cache_salt: str = ""  # prefix-cache blocks are shared only between requests with the same salt ("": none)
     remote_decode: bool = False  # vLLM's do_remote_decode: it ends after its first token (FinishReason.HAND_OVER),
     #   its KV kept by the engine's KV connector for another engine, which makes the rest
+    constraint: Any = None  # the shape its answer must take (``models.grammar.Constraint``; None: any text)
 
 
 def _asked(name: str) -> property:
@@ -69,6 +70,8 @@ class Seq:
     prompt_logprobs: list[Logprob] = field(default_factory=list)  # one per prompt token after the first (echo)
     output: Detokenizer | None = field(default=None, repr=False)  # its text as it comes, stop strings found there
     #   (None: nobody reads its text, e.g. on a virtual clock)
+    grammar: Any = field(default=None, repr=False)  # its ``models.grammar.Matcher``, advanced by each token it emits
+    #   (None: unconstrained); a preempted sequence keeps it with its tokens
     # -- its times and counts, for /stats and the step log
     cached_tokens: int = 0  # prompt tokens whose KV came from a prefix cache, not computed (first admission)
     preemptions: int = 0  # times its blocks were taken back and it was requeued to be recomputed
@@ -145,7 +148,8 @@ class Seq:
 
     def emit(self, token: int, now: float, eos_id: int | None, eos_ids: Collection[int] = (),
              logprob: Logprob | None = None) -> None:
-        """Append a token; finish on a stop string, max_new_tokens or EOS; wake whoever streams it.
+        """Append a token; finish when its grammar is complete, on a stop string, max_new_tokens or EOS; wake whoever
+        streams it.
 
         ``logprob``: the model's for the token it chose (kept when its sampling asks for them;
         NaN when the engine put another token in its place: ``EosStandIn``).
@@ -160,7 +164,8 @@ class Seq:
         self.tokens.append(token)
         if logprob is not None:
             self.logprobs.append(logprob if logprob.token == token else Logprob(token, math.nan))
-        if self.output is not None and self.output.push(token):
+        complete = self.grammar is not None and self.grammar.accept(token)  # its grammar ended with this token
+        if (self.output is not None and self.output.push(token)) or complete:
             self.finish_reason = FinishReason.STOP
         elif len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH

@@ -169,6 +169,7 @@ class Chunk:
     decode: bool = False  # one token of a sequence that is decoding: the model holds its cache from earlier calls
     draft: int = 0  # the last ``draft`` tokens are guesses to verify (speculative decoding): the model chooses after
     #   each of the last draft + 1 tokens, as it would one at a time, and returns them as a ``Verified``
+    grammar: Any = None  # a ``grammar.Matcher``: only the tokens it allows may be chosen next (None: any token)
 
     @property
     def end(self) -> int:

@@ -36,6 +36,7 @@ import torch
 
 from .base import Chunk, InputRejected, ModelError, Scored, Verified
 from .configs import kv_bytes_per_token
+from .grammar import apply_masks
 from .kvcache import CallPlan, PagedKV
 from .linear import Dense
 from .sampling import choose, logprobs_of
@@ -265,6 +266,7 @@ class PagedLM(TokenizerText):
         scores = self._logits(last)
         picked = [c for c in chunks if c.sample]
         positions = [p for c in picked for p in range(c.end - c.draft, c.end + 1)]  # (one per row: its seed's)
+        apply_masks(scores, [c.grammar for c in picked for _ in range(c.draft + 1)])  # (a grammar's: before choosing)
         chosen = choose(scores, positions, [c.sampling for c in picked for _ in range(c.draft + 1)], self.eos_ids)
         self._live.update(c.sid for c in chunks)
         outs: list[int | Scored | Verified | None] = []

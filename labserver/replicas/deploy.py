@@ -36,6 +36,7 @@ from ..engine.base import ReplicaLost
 from ..engine.handover import HandoverConnector, handover_lost
 from ..engine.output import Done, Failed, Made, Placed, Pulled
 from ..models import Sampling
+from ..models.grammar import Constraint
 from ..server import create_app
 from ..server.handling import describe
 from ..server.streaming import write_stream
@@ -129,11 +130,13 @@ class Replica:
                 copy = await self._pull(job["kv"])
                 yield Pulled((time.perf_counter() - start) * 1000, copy.positions * engine.model.kv_bytes_per_token)
             sampling = Sampling(**job["sampling"]) if job.get("sampling") else None
+            constraint = job.get("constraint")
+            grammar = await engine.grammar(Constraint(**constraint)) if constraint else None
             seq = engine.submit(job["prompt_ids"], job["max_new_tokens"], ignore_eos=job["ignore_eos"],
                                 request_id=job["request_id"], sampling=sampling, stop=tuple(job["stop"]),
                                 min_tokens=job["min_tokens"], priority=job.get("priority", 0),
                                 tenant=job.get("tenant", ""), cache_salt=job.get("cache_salt", ""),
-                                remote_decode=bool(job.get("remote_decode")), kv_transfer=copy)
+                                remote_decode=bool(job.get("remote_decode")), kv_transfer=copy, grammar=grammar)
             if job.get("remote_decode"):
                 self._fault("prefill")
         except Exception as e:

@@ -35,6 +35,7 @@ from ..engine.output import Done, Failed, Made, Placed
 from ..engine.ending import FinishReason
 from ..engine.sequence import Seq
 from ..models import ModelError
+from ..models.grammar import Constraint, Grammar
 from ..server.handling import ERROR_TABLE
 
 __all__ = ["ERRORS", "REPLICA_LOST", "REPORT_S", "BoardedEngine", "RemoteEngine", "failure", "job_of", "until"]
@@ -55,6 +56,7 @@ def job_of(seq: Seq) -> dict[str, Any]:
             "request_id": seq.request_id, "stop": list(seq.stop), "min_tokens": seq.min_tokens,
             "sampling": None if s is None else vars(s).copy(), "priority": seq.priority, "tenant": seq.tenant,
             "cache_salt": seq.cache_salt,  # (the ingress's: a replica shares blocks under it, a router keys on it)
+            "constraint": None if seq.request.constraint is None else vars(seq.request.constraint).copy(),
             "prompt": " ".join(map(str, seq.prompt_ids))}  # what a router keys on: the prompt's tokens
 
 
@@ -70,6 +72,10 @@ class RemoteEngine(GenEngine):
     @property
     def running(self) -> Any:
         return self.in_flight
+
+    async def grammar(self, constraint: Constraint) -> Grammar:
+        """Uncompiled: the replica that generates it compiles it (and refuses it with the compiler's words)."""
+        return Grammar(constraint)
 
     async def _work(self) -> None:
         while True:

@@ -212,6 +212,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
     prompts = [model.encode(p) if isinstance(p, str) else prompt_of_ids(model, p) for p in req.prompts]  # (400s)
     priority, tenant = request_class(request, req.priority)
     salt = cache_salt(cfg.cache_isolation, tenant, req.cache_salt)
+    grammar = await engine.grammar(req.constraint) if req.constraint is not None else None  # (compiled once: 400s)
     seqs: list[Seq] = []  # choice i is seqs[i]: prompt by prompt, n choices each
     texts: list[str] = []  # the prompt each choice echoes
     with letting_go(seqs):  # whatever fails from the first one queued on (a header too), none is left generating
@@ -224,7 +225,7 @@ async def _work(rt: Runtime, request: Request, body: bytes, rid: str, t0: float,
                 seq = engine.submit(ids, limit, ignore_eos=req.ignore_eos, request_id=rid,
                                     sampling=choice_sampling(req.sampling, j), stop=req.stop,
                                     min_tokens=req.min_tokens, priority=priority, tenant=tenant, parent=first,
-                                    cache_salt=salt)
+                                    cache_salt=salt, grammar=grammar)
                 first = first or seq
                 seqs.append(seq)
                 texts.append(text)

@@ -13,10 +13,12 @@ server may not use, and break on a server that rejects them):
   answer; with ``logprobs``, the prompt's log-probabilities too), and vLLM's
   ``ignore_eos``, ``min_tokens``, ``cache_salt`` (a non-empty string of at most
   ``MAX_CACHE_SALT_CHARS``: only requests with the same salt share prefix-cache blocks) and
-  ``return_token_ids`` (each choice's ``token_ids``, and the prompt's ``prompt_token_ids``);
+  ``return_token_ids`` (each choice's ``token_ids``, and the prompt's ``prompt_token_ids``),
+  and the answer's shape: ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+  ``structured_outputs`` (``openai.structured``);
 - refused with a 400 that says why: a value that asks for what this server cannot do
-  (``best_of`` other than ``n``, ``suffix``, ``logit_bias``, tools, a structured
-  ``response_format``, images);
+  (``best_of`` other than ``n``, ``suffix``, ``logit_bias``, tools, a ``structural_tag``
+  shape, images);
 - ignored: everything else (``user``, ``frequency_penalty``, ``presence_penalty``,
   ``repetition_penalty``, ``top_k`` ...): accepted, and named in the answer's
   ``x-ignored-fields`` header and in the log (at debug level: nothing a client names is
@@ -47,7 +49,9 @@ from typing import Any
 
 from ...models import Sampling
 from ...models.base import MAX_LOGPROBS
+from ...models.grammar import Constraint
 from ..handling import ClientError, check_text, parse_json
+from .structured import parse_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +70,7 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for /v1/completions' "logprobs" (cha
 
 _COMMON = {"model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "n",
            "ignore_eos", "min_tokens", "priority", "cache_salt", "logprobs", "logit_bias", "best_of",
-           "response_format", "return_token_ids"}
+           "response_format", "return_token_ids", "structured_outputs"}
 _USED = {False: _COMMON | {"prompt", "echo", "suffix"},
          True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                           "function_call"}}
@@ -94,6 +98,7 @@ class GenRequest:
     priority: int | None = None  # vLLM's: a lower value is served first (None: the x-priority header, or 0)
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks are shared only under the same salt (None: none)
     return_token_ids: bool = False  # vLLM's: the answer carries its token ids and its prompt's
+    constraint: Constraint | None = None  # the shape of the answer (response_format, structured_outputs); None: any
     ignored: list[str] = field(default_factory=list)  # fields accepted but not used
 
 
@@ -164,6 +169,7 @@ def parse_request(body: bytes, *, chat: bool, max_chars: int, max_tokens_cap: in
     req.priority = _typed(doc, "priority", int, "an integer (lower is served first)")
     req.cache_salt = _cache_salt(doc)
     req.return_token_ids = bool(_typed(doc, "return_token_ids", bool, "true or false"))
+    req.constraint = parse_constraint(doc)
     if req.min_tokens < 0 or (limit is not None and req.min_tokens > limit):
         raise _refuse(f'"min_tokens" must be between 0 and {name} ({limit}), got {req.min_tokens}', "min_tokens")
     req.ignored = sorted(set(doc) - _USED[chat]) + req.ignored
@@ -209,10 +215,6 @@ def _refuse_unhonourable(doc: dict[str, Any], chat: bool) -> None:
     for name in ("tool_choice", "function_call"):
         if doc.get(name) not in (None, "none"):
             raise _refuse(f'"{name}": this server does not call tools or functions', name)
-    fmt = doc.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
-        raise _refuse('"response_format": only {"type": "text"} is supported (no JSON mode or schema)',
-                      "response_format")
 
 
 def _choices(doc: dict[str, Any]) -> int:
