@@ -87,3 +87,50 @@ def test_fixed_replicas_never_change() -> None:
     r = simulate_scaling(Autoscaler(2, 2), arrivals, service_s=1, slots=1, cold_start_s=5)
     assert r.decisions == [] and {(ready, held) for _, ready, held in r.timeline} == {(2, 2)}
     assert r.replica_seconds == pytest.approx(2 * max(r.done_s.max(), 90), rel=0.02)  # two held throughout
+
+
+def test_the_watch_turns_the_controllers_details_into_a_timeline_decisions_and_cold_starts() -> None:
+    from labserver.replicas.watch import ScaleWatch
+
+    clock = iter([100.0, 101.0, 102.0, 110.0, 111.0])
+    watch = ScaleWatch("ReplicaServer", "labserver", clock=lambda: next(clock))
+
+    def details(target: int, *replicas: tuple[str, str, float]) -> dict:
+        return {"applications": {"labserver": {"deployments": {"ReplicaServer": {
+            "target_num_replicas": target,
+            "replicas": [{"replica_id": r, "state": s, "start_time_s": t} for r, s, t in replicas]}}}}}
+
+    watch.observe(details(1, ("a", "RUNNING", 90.0)))
+    watch.observe(details(1, ("a", "RUNNING", 90.0)))  # nothing changed: no row
+    watch.observe(details(2, ("a", "RUNNING", 90.0), ("b", "STARTING", 101.5)))  # decided when b's actor started
+    watch.observe(details(2, ("a", "RUNNING", 90.0), ("b", "RUNNING", 101.5)))
+    watch.observe(details(1, ("a", "STOPPING", 90.0), ("b", "RUNNING", 101.5)))
+    assert [(r["t_s"], r["target"], r["running"], r["starting"], r["stopping"]) for r in watch.timeline] == [
+        (100.0, 1, 1, 0, 0), (102.0, 2, 1, 1, 0), (110.0, 2, 2, 0, 0), (111.0, 1, 1, 0, 1)]
+    assert list(watch.decisions) == [{"t_s": 101.5, "old": 1, "new": 2}, {"t_s": 111.0, "old": 2, "new": 1}]
+    start = {"init_s": 104.0, "load_s": 2.0, "compile_s": None, "loaded_s": 106.5, "first_token_s": 108.0}
+    cold = watch.stats({"b": {"start": start}, "a": {}})["cold_starts"]
+    assert cold == {"b": {"actor_s": 2.5, "load_s": 2.0, "compile_s": None, "serving_s": 1.5, "first_token_s": 6.5}}
+    assert watch.stats({})["cold_starts"] == cold  # kept after the replica stops reporting
+
+
+def test_the_prefix_aware_router_forgets_a_replica_that_left() -> None:
+    from labserver.routing import Route, make_policy
+
+    policy = make_policy("prefix-aware", seed=0)
+    prompt = "a shared system prompt, long enough for blocks " * 8
+    policy.choose(Route(prompt=prompt), ["a", "b"], [0, 0])
+    assert set(policy.index) == {"a", "b"}
+    assert policy.choose(Route(prompt=prompt + "more"), ["b", "c"], [0, 0]) in (0, 1)  # a scaled down, c new
+    assert set(policy.index) == {"b", "c"}  # a's view dropped
+
+
+def test_the_shell_reads_n_or_min_max() -> None:
+    import argparse
+
+    from labserver.cli.serve import replica_count
+
+    assert replica_count("3") == 3 and replica_count("1:4") == (1, 4) and replica_count("0:2") == (0, 2)
+    for bad in ("0", "3:2", "a:b", "1:"):
+        with pytest.raises(argparse.ArgumentTypeError, match="MIN:MAX"):
+            replica_count(bad)

@@ -57,14 +57,14 @@ class ScaleWatch:
             return
         target = int(deployment["target_num_replicas"])
         states = [r["state"] for r in deployment.get("replicas", [])]
+        new = [float(r["start_time_s"]) for r in deployment.get("replicas", []) if r["replica_id"] not in self.started]
         for r in deployment.get("replicas", []):
             self.started.setdefault(r["replica_id"], float(r["start_time_s"]))
         if len(self.started) > 4 * KEEP:  # (bounded: the oldest replicas' start times go first)
             for gone in sorted(self.started, key=self.started.__getitem__)[:KEEP]:
                 del self.started[gone]
         if self.target is not None and target != self.target:
-            new = [t for t in self.started.values() if t > (self.decisions[-1]["t_s"] if self.decisions else 0.0)]
-            at = min(new) if target > self.target and new else now  # (an upscale: its replicas' start, if seen)
+            at = min(new) if target > self.target and new else now  # (an upscale: when its replicas' actors started)
             self.decisions.append({"t_s": at, "old": self.target, "new": target})
         self.target = target
         row = {"target": target, "running": states.count("RUNNING"), "starting": states.count("STARTING"),
