@@ -110,7 +110,7 @@ def test_the_watch_turns_the_controllers_details_into_a_timeline_decisions_and_c
     assert list(watch.decisions) == [{"t_s": 101.5, "old": 1, "new": 2}, {"t_s": 111.0, "old": 2, "new": 1}]
     start = {"init_s": 104.0, "load_s": 2.0, "compile_s": None, "loaded_s": 106.5, "first_token_s": 108.0}
     cold = watch.stats({"b": {"start": start}, "a": {}})["cold_starts"]
-    assert cold == {"b": {"actor_s": 2.5, "load_s": 2.0, "compile_s": None, "serving_s": 1.5, "first_token_s": 6.5}}
+    assert cold == {"b": {"decided_s": 101.5, "actor_s": 2.5, "load_s": 2.0, "compile_s": None, "serving_s": 1.5, "first_token_s": 6.5}}
     assert watch.stats({})["cold_starts"] == cold  # kept after the replica stops reporting
 
 

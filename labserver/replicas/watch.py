@@ -92,7 +92,7 @@ def cold_start(decided_s: float, start: dict[str, float | None]) -> dict[str, fl
     replica reported: wall-clock times ``init_s`` (its constructor began), ``loaded_s`` (ended), ``first_token_s``
     (None until it made one) and durations ``load_s``, ``compile_s`` (None: not compiled)."""
     first = start.get("first_token_s")
-    return {"actor_s": float(start["init_s"]) - decided_s,  # type: ignore[arg-type]
+    return {"decided_s": decided_s, "actor_s": float(start["init_s"]) - decided_s,  # type: ignore[arg-type]
             "load_s": start["load_s"], "compile_s": start["compile_s"],
             "serving_s": None if first is None else float(first) - float(start["loaded_s"]),  # type: ignore[arg-type]
             "first_token_s": None if first is None else float(first) - decided_s}
