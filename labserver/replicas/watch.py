@@ -120,6 +120,7 @@ class ScaledEngine(BoardedEngine):
         while True:
             with contextlib.suppress(Exception):  # (the controller busy or gone while the app stops)
                 self.watch.observe(await controller.get_serve_instance_details.remote())
+            self.watch.cold_starts({r: s for r, (s, _) in self.reports.items()})  # (kept: a replica may leave soon)
             await asyncio.sleep(REPORT_S)
 
     async def stop(self, in_flight_timeout_s: float = 60.0) -> None:
