@@ -6,14 +6,16 @@
         h.stats()["replicas"]                            # each replica's queue, running, KV blocks, hit rate
 
 ``labserver serve --replicas N --router NAME [--ray-address ADDR]`` does the same from the
-shell. Without an address a local Ray instance is started (``num_cpus`` logical CPUs) and
+shell; ``--replicas MIN:MAX`` (``replicas=(MIN, MAX)``) lets Ray Serve's autoscaler choose N
+(``labserver.routing.autoscale``, ``labserver.replicas.watch``). Without an address a local Ray instance is started (``num_cpus`` logical CPUs) and
 stopped with the handle; with one, or when this process already runs Ray, the app joins it
 and only the app is removed at the end, never Ray. Routers: ``labserver.replicas.routers`` (Ray request
 routers over ``labserver.routing``'s policies); ``docs/replicas.md`` has the lessons.
 
 A local Ray started for a loopback ``host`` listens on loopback (``local_ray``): its GCS, raylet,
 agents, workers and metrics exporter are reachable from this machine only, as labserver's own
-port is (docs/security.md names the one socket Serve opens on every interface regardless).
+port is, and so is each replica's inter-deployment gRPC server, which Serve would open on every
+interface (``labserver.replicas.loopback``; docs/security.md).
 Stopping drains first, as one server does: the ingress refuses new requests (503
 ``shutting_down``), finishes what it holds for up to ``drain_grace_s``, and ends the streams
 still open with a ``shutting_down`` event, before Serve removes the app.
