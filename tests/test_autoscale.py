@@ -134,3 +134,15 @@ def test_the_shell_reads_n_or_min_max() -> None:
     for bad in ("0", "3:2", "a:b", "1:"):
         with pytest.raises(argparse.ArgumentTypeError, match="MIN:MAX"):
             replica_count(bad)
+
+
+def test_the_shells_flags_make_the_autoscaler() -> None:
+    from labserver.cli import build_parser
+    from labserver.cli.serve import autoscaler_of
+
+    args = build_parser().parse_args(["serve", "--strategy", "gen-continuous", "--replicas", "1:4", "--max-batch", "8",
+                                      "--upscale-delay", "5", "--downscale-delay", "60", "--look-back", "10"])
+    rule = autoscaler_of(args, 8)
+    assert (rule.min_replicas, rule.max_replicas, rule.target_ongoing) == (1, 4, 8.0)  # the target: the batch
+    assert rule.ray_config()["upscale_delay_s"] == 5 and rule.ray_config()["look_back_period_s"] == 10
+    assert autoscaler_of(build_parser().parse_args(["serve", "--replicas", "3"]), 8) is None  # N: fixed
