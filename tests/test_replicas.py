@@ -57,9 +57,9 @@ def test_replicas_on_an_exposed_host_without_a_key_warn_before_anything_starts(
 
 
 def test_ray_and_serve_listen_on_loopback_only(cluster: ReplicasHandle) -> None:
-    """Every listening socket of this process and its descendants (Ray's GCS, raylet, agents, workers, metrics
-    exporter, Serve's proxy): a loopback address, as the server's own host is, but the one Ray offers no setting
-    for (``fakes.exposed``: each Serve replica's inter-deployment gRPC server)."""
+    """Every listening socket of this process and its descendants, as /proc lists them (Ray's GCS, raylet, agents,
+    workers, metrics exporter, Serve's proxy and each Serve replica's inter-deployment gRPC server): a loopback
+    address, as the server's own host is."""
     found = listeners(os.getpid())
     port = int(cluster.url.rsplit(":", 1)[1])
     assert port in {f[1] for f in found} and len(found) > 10, found  # Serve's proxy, and Ray's own

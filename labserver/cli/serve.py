@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from ..config import CACHE_ISOLATION, ServerConfig, default_model
 from ..strategies import describe, strategy_names
@@ -52,8 +53,23 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                         "cache_salt (default: %(default)s; docs/security.md)")
     p.add_argument("--debug", action="store_true", help="tracebacks in error responses (never when shared)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--replicas", type=int, default=None,
-                   help="N copies on Ray Serve behind one URL (a gen-* strategy; needs labserver[ray])")
+    p.add_argument("--replicas", type=replica_count, default=None, metavar="N|MIN:MAX",
+                   help="N copies on Ray Serve behind one URL (a gen-* strategy; needs labserver[ray]); MIN:MAX: as "
+                        "many as Ray Serve's autoscaler decides (docs/replicas.md)")
+    scale = p.add_argument_group("autoscaling (with --replicas MIN:MAX; Ray Serve's autoscaling_config)")
+    scale.add_argument("--target-ongoing", type=float, default=None, metavar="R",
+                       help="requests a replica should hold, queued and running (default: --max-batch)")
+    scale.add_argument("--upscale-delay", type=float, default=30.0, metavar="S",
+                       help="add replicas once more have been wanted for S seconds (default: %(default)s)")
+    scale.add_argument("--downscale-delay", type=float, default=600.0, metavar="S",
+                       help="remove replicas once fewer have been wanted for S seconds (default: %(default)s)")
+    scale.add_argument("--look-back", type=float, default=30.0, metavar="S",
+                       help="average the ongoing requests over the last S seconds (default: %(default)s)")
+    scale.add_argument("--metrics-interval", type=float, default=10.0, metavar="S",
+                       help="replicas and handles report their ongoing requests every S seconds "
+                            "(default: %(default)s)")
+    scale.add_argument("--graceful-shutdown", type=float, default=60.0, metavar="S",
+                       help="a replica scaled down finishes what it holds for up to S seconds (default: %(default)s)")
     p.add_argument("--disaggregate", default=None, metavar="P:D", type=pools,
                    help="instead of --replicas: P prefill and D decode replicas on Ray Serve, the KV handed over "
                         "between them (gen-continuous or gen-paged; docs/replicas.md)")
@@ -67,6 +83,27 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    help="with --replicas or --disaggregate: join this Ray cluster (never stopped here) instead of a "
                         "local Ray")
     p.set_defaults(func=cmd_serve)
+
+
+def replica_count(text: str) -> int | tuple[int, int]:
+    """``--replicas N`` -> N; ``--replicas MIN:MAX`` -> (MIN, MAX), autoscaled."""
+    low, sep, high = text.partition(":")
+    if not sep and low.isdigit() and int(low) >= 1:
+        return int(low)
+    if sep and low.isdigit() and high.isdigit() and int(low) <= int(high) and int(high) >= 1:
+        return int(low), int(high)
+    raise argparse.ArgumentTypeError(f"{text!r}: give N (at least 1) or MIN:MAX with MIN <= MAX (e.g. 1:4)")
+
+
+def autoscaler_of(args: argparse.Namespace, max_batch_size: int | None) -> Any:
+    """``--replicas MIN:MAX`` and the autoscaling flags as an ``Autoscaler`` (None for ``--replicas N``)."""
+    if not isinstance(args.replicas, tuple):
+        return None
+    from ..routing.autoscale import Autoscaler
+
+    return Autoscaler(*args.replicas, target_ongoing=args.target_ongoing or float(max_batch_size or 2),
+                      upscale_delay_s=args.upscale_delay, downscale_delay_s=args.downscale_delay,
+                      look_back_s=args.look_back, metrics_interval_s=args.metrics_interval)
 
 
 def pools(text: str) -> tuple[int, int]:
@@ -114,8 +151,10 @@ def serve_replicas_until_stopped(config: ServerConfig, args: argparse.Namespace)
 
     stop = threading.Event()
     try:
-        handle = serve_replicas(config, args.replicas, args.router, ray_address=args.ray_address,
-                                disaggregate=args.disaggregate, pin_cores=args.pin_cores)
+        autoscale = autoscaler_of(args, config.limits.max_batch_size)
+        handle = serve_replicas(config, None if autoscale else args.replicas, args.router,
+                                ray_address=args.ray_address, disaggregate=args.disaggregate,
+                                pin_cores=args.pin_cores, autoscale=autoscale, graceful_shutdown_s=args.graceful_shutdown)
     except (ValueError, RuntimeError, TimeoutError) as e:
         print(f"labserver: {e}", file=sys.stderr)
         return 2
@@ -123,7 +162,7 @@ def serve_replicas_until_stopped(config: ServerConfig, args: argparse.Namespace)
         signal.signal(sig, lambda *_: stop.set())
     try:
         pools = (f"{args.disaggregate[0]} prefill + {args.disaggregate[1]} decode" if args.disaggregate else
-                 f"x{args.replicas}")
+                 f"{args.replicas[0]}:{args.replicas[1]} autoscaled" if autoscale else f"x{args.replicas}")
         print(f"labserver: {config.strategy} serving {config.model} {pools} replicas (router "
               f"{args.router}) on {handle.url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         stop.wait()

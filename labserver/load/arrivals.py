@@ -35,6 +35,7 @@ __all__ = [
     "Replay",
     "Steps",
     "make_arrival",
+    "traffic_step",
     # from .payloads
     "WORDS",
     "FileLines",
@@ -240,6 +241,15 @@ class Steps(_RateSchedule):
             r += [rate, rate]
             start += d
         return t + [start], r + [0.0], None
+
+
+def traffic_step(rate_per_s: float, before_s: float, step_s: float, after_s: float, factor: float = 3.0,
+                 poisson: bool = True) -> Steps:
+    """A traffic step: ``rate_per_s`` for ``before_s``, ``factor`` x that for ``step_s``, then ``rate_per_s`` again
+    for ``after_s`` (what an autoscaler must follow: ``labserver.routing.scaling``, ``benchmarks/autoscale.py``)."""
+    if rate_per_s <= 0 or factor <= 0:
+        raise ValueError(f"traffic_step needs rate_per_s > 0 and factor > 0, got {rate_per_s} and {factor}")
+    return Steps(((before_s, rate_per_s), (step_s, factor * rate_per_s), (after_s, rate_per_s)), poisson=poisson)
 
 
 @dataclass(frozen=True)

@@ -212,8 +212,11 @@ class Grammars:
     def _compiler_for_model(self) -> Any:
         with self._lock:
             if self._compiler is None:
-                import xgrammar as xgr
-
+                try:
+                    import xgrammar as xgr
+                except ImportError:  # (installed by make install, without its declared dependencies)
+                    raise InputRejected("structured outputs need xgrammar, which is not installed here: pip install "
+                                        "--no-deps -r requirements-model.txt", "response_format") from None
                 self._compiler = xgr.GrammarCompiler(tokenizer_info(self.model), max_threads=1, cache_enabled=False)
             return self._compiler
 

@@ -6,14 +6,16 @@
         h.stats()["replicas"]                            # each replica's queue, running, KV blocks, hit rate
 
 ``labserver serve --replicas N --router NAME [--ray-address ADDR]`` does the same from the
-shell. Without an address a local Ray instance is started (``num_cpus`` logical CPUs) and
+shell; ``--replicas MIN:MAX`` (``replicas=(MIN, MAX)``) lets Ray Serve's autoscaler choose N
+(``labserver.routing.autoscale``, ``labserver.replicas.watch``). Without an address a local Ray instance is started (``num_cpus`` logical CPUs) and
 stopped with the handle; with one, or when this process already runs Ray, the app joins it
 and only the app is removed at the end, never Ray. Routers: ``labserver.replicas.routers`` (Ray request
 routers over ``labserver.routing``'s policies); ``docs/replicas.md`` has the lessons.
 
 A local Ray started for a loopback ``host`` listens on loopback (``local_ray``): its GCS, raylet,
 agents, workers and metrics exporter are reachable from this machine only, as labserver's own
-port is (docs/security.md names the one socket Serve opens on every interface regardless).
+port is, and so is each replica's inter-deployment gRPC server, which Serve would open on every
+interface (``labserver.replicas.loopback``; docs/security.md).
 Stopping drains first, as one server does: the ingress refuses new requests (503
 ``shutting_down``), finishes what it holds for up to ``drain_grace_s``, and ends the streams
 still open with a ``shutting_down`` event, before Serve removes the app.
@@ -36,6 +38,7 @@ import httpx
 
 from ..config import ServerConfig
 from ..models.cpu import on_fresh_thread
+from ..routing.autoscale import Autoscaler
 from ..server.guard import is_loopback
 
 __all__ = ["APP", "ReplicasHandle", "ray_session", "serve_replicas"]
@@ -48,14 +51,17 @@ class ReplicasHandle:
     """What ``serve_replicas`` returns: the URL, the stats, ``stop()`` (also by leaving a ``with`` block)."""
 
     def __init__(self, url: str, config: ServerConfig, replicas: int, router: str, started_ray: bool,
-                 started_serve: bool, disaggregate: tuple[int, int] | None = None) -> None:
+                 started_serve: bool, disaggregate: tuple[int, int] | None = None,
+                 autoscale: Autoscaler | None = None) -> None:
         self.url, self.config, self.replicas, self.router = url, config, replicas, router
         self.started_ray, self.started_serve = started_ray, started_serve
         self.disaggregate = disaggregate  # (P, D): prefill and decode pools
+        self.autoscale = autoscale  # the autoscaler's settings (None: a fixed count of replicas)
         self.stopped = False
 
     def __repr__(self) -> str:
         pools = (f"{self.disaggregate[0]} prefill + {self.disaggregate[1]} decode" if self.disaggregate else
+                 f"{self.autoscale.min_replicas}:{self.autoscale.max_replicas} autoscaled" if self.autoscale else
                  f"x{self.replicas}")
         return f"<labserver {self.config.strategy} {pools} replicas, router {self.router}, at {self.url}>"
 
@@ -132,11 +138,12 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def serve_replicas(config: ServerConfig, replicas: int | None = None, router: str = "pow2", *,
+def serve_replicas(config: ServerConfig, replicas: int | tuple[int, int] | None = None, router: str = "pow2", *,
                    ray_address: str | None = None, num_cpus: float | None = None, max_ongoing: int | None = None,
                    models: list[str] | None = None, timeout_s: float = 300.0,
                    disaggregate: tuple[int, int] | None = None, pin_cores: bool = False,
-                   threads: int | None = None) -> ReplicasHandle:
+                   threads: int | None = None, autoscale: Autoscaler | None = None,
+                   graceful_shutdown_s: float = 60.0) -> ReplicasHandle:
     """Deploy ``replicas`` copies of ``config``'s server behind an ingress on Ray Serve; returns once it answers.
 
     ``models``: replica i serves ``models[i % len(models)]`` instead of ``config.model`` (one
@@ -148,6 +155,11 @@ def serve_replicas(config: ServerConfig, replicas: int | None = None, router: st
     handed over between them (``labserver.replicas.disagg``); ``router`` picks within each pool.
     ``pin_cores``: each replica's process on its own share of this machine's CPUs (prefill
     replicas first), one torch thread per core; ``threads``: torch threads per replica.
+    ``replicas=(MIN, MAX)`` or ``autoscale=Autoscaler(...)``: as many replicas as Ray Serve's
+    autoscaler decides (``labserver.routing.autoscale``; its target ongoing requests a replica's
+    ``max_batch_size`` unless given); a replica scaled down is sent nothing new and has
+    ``graceful_shutdown_s`` to finish what it holds. ``/stats`` shows the replicas over time, the
+    decisions and each new replica's cold start under ``scaling`` (``labserver.replicas.watch``).
     """
     import ray
     from ray import serve
@@ -160,6 +172,9 @@ def serve_replicas(config: ServerConfig, replicas: int | None = None, router: st
     from ..strategies import GenStrategy, make_strategy
 
     config.warn_if_exposed()
+    if isinstance(replicas, tuple) or autoscale is not None:
+        autoscale = autoscaler_for(config, replicas, autoscale, disaggregate)
+        replicas = autoscale.max_replicas
     if (replicas is None) == (disaggregate is None):
         raise ValueError("give replicas=N or disaggregate=(P, D), not both" if replicas is not None else
                          "give replicas=N or disaggregate=(P, D)")
@@ -199,10 +214,14 @@ def serve_replicas(config: ServerConfig, replicas: int | None = None, router: st
 
         def pool(name: str, n: int, first: int, route: str, *args: Any) -> Any:
             cores = groups[first:first + n] if groups else None
+            count: dict[str, Any] = ({"num_replicas": n} if autoscale is None else  # (MAX x per_replica in flight)
+                                     {"autoscaling_config": autoscale.ray_config(),
+                                      "graceful_shutdown_timeout_s": graceful_shutdown_s,
+                                      "graceful_shutdown_wait_loop_s": 0.5})
             return ReplicaServer.options(
-                name=name, num_replicas=n, max_ongoing_requests=per_replica, ray_actor_options={"num_cpus": cpu * 0.9},
+                name=name, max_ongoing_requests=per_replica, ray_actor_options={"num_cpus": cpu * 0.9},
                 request_router_config=RequestRouterConfig(request_router_class=route),
-                health_check_period_s=1.0, health_check_timeout_s=10.0,
+                health_check_period_s=1.0, health_check_timeout_s=10.0, **count,
             ).bind(config, board, models, *args, cores=cores, threads=threads)
 
         if disaggregate is None:
@@ -210,16 +229,33 @@ def serve_replicas(config: ServerConfig, replicas: int | None = None, router: st
         else:
             replica = pool("Prefill", pools[0], 0, router_class(router, pinned=True), "prefill", None)
             decode = pool("Decode", pools[1], pools[0], path, "decode", replica)
+        watch = ("ReplicaServer", APP, None if autoscale is None else autoscale.settings())
         ingress = Ingress.options(ray_actor_options={"num_cpus": cpu * 0.1}, max_ongoing_requests=100_000
-                                  ).bind(config, replica, board, total * per_replica, decode)
+                                  ).bind(config, replica, board, total * per_replica, decode, watch)
         serve.run(ingress, name=APP, route_prefix="/", blocking=False)
         url = f"http://{host}:{port}"
-        handle = ReplicasHandle(url, config, replicas or total, router, started, started_serve, disaggregate)
+        handle = ReplicasHandle(url, config, replicas or total, router, started, started_serve, disaggregate,
+                                autoscale)
         wait_healthy(url, timeout_s)
         return handle
     except BaseException:
         ReplicasHandle("", config, total, router, started, started_serve).stop()
         raise
+
+
+def autoscaler_for(config: ServerConfig, replicas: int | tuple[int, int] | None, autoscale: Autoscaler | None,
+                   disaggregate: tuple[int, int] | None) -> Autoscaler:
+    """The autoscaler ``serve_replicas`` deploys with: ``autoscale`` as given, or ``replicas=(MIN, MAX)`` with a
+    target of ``max_batch_size`` ongoing requests a replica; ValueError for what cannot be combined."""
+    if disaggregate is not None:
+        raise ValueError("autoscaling scales one pool of replicas: give replicas=(MIN, MAX) without disaggregate")
+    if autoscale is None:
+        low, high = replicas  # type: ignore[misc]
+        return Autoscaler(low, high, target_ongoing=float(config.limits.max_batch_size or 2))
+    if isinstance(replicas, tuple) and replicas != (autoscale.min_replicas, autoscale.max_replicas):
+        raise ValueError(f"replicas={replicas} and autoscale's {autoscale.min_replicas}:{autoscale.max_replicas} "
+                         "differ: give one")
+    return autoscale
 
 
 @contextlib.contextmanager

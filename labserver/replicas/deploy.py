@@ -42,7 +42,9 @@ from ..server.handling import describe
 from ..server.streaming import write_stream
 from ..server.runtime import Runtime
 from .disagg import DisaggEngine
-from .remote import REPORT_S, BoardedEngine, RemoteEngine
+from .loopback import keep_serve_grpc_on_loopback
+from .remote import REPORT_S, RemoteEngine
+from .watch import ScaledEngine
 
 __all__ = ["Board", "Ingress", "Replica", "ReplicaServer", "Reports"]
 
@@ -89,6 +91,8 @@ class Replica:
     async def __init__(self, config: ServerConfig, board: Any, models: list[str] | None = None, role: str = "",
                        prefill: Any = None, *, cores: list[list[int]] | None = None,
                        threads: int | None = None) -> None:  # (placement by keyword: never taken for a role)
+        began_s = time.time()  # (its cold start's parts: labserver.replicas.watch)
+        keep_serve_grpc_on_loopback()
         context = serve.get_replica_context()
         self.rank = context.rank.rank if context.rank is not None else 0
         self.role, self.prefill, self.crash = role, prefill, ""
@@ -105,6 +109,8 @@ class Replica:
             self.runtime.engine.connect(self.connector)  # type: ignore[union-attr]
         self.id = context.replica_id.unique_id
         self.board = board
+        self.start = {"init_s": began_s, "load_s": self.runtime.load_s, "compile_s": self.runtime.compile_s,
+                      "loaded_s": time.time(), "first_token_s": None}
         self._report = asyncio.get_running_loop().create_task(self._reporting())
 
     async def _reporting(self) -> None:
@@ -113,6 +119,7 @@ class Replica:
             if engine is not None:
                 stats = {**engine.stats(), "answered": self.runtime.statuses[200], "rank": self.rank,
                          "model": self.runtime.config.model, "role": self.role or "both", "threads": self.threads,
+                         "start": self.start,
                          "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
                 with contextlib.suppress(Exception):  # (the board is gone while the app stops)
                     await self.board.put.remote(self.id, stats, engine.metrics())
@@ -145,6 +152,8 @@ class Replica:
         # the one stream loop, as /generate and /v1 stream (its ending counted the same way; an ingress that
         # stops reading cancels the sequence, dropped at the next step)
         async for event in write_stream(self.runtime, [seq], job["request_id"], time.perf_counter(), _Events(seq)):
+            if self.start["first_token_s"] is None and isinstance(event, Made):
+                self.start["first_token_s"] = time.time()
             yield event
 
     async def _pull(self, kv: dict[str, Any]) -> Any:
@@ -227,16 +236,20 @@ class _Events:
 class Ingress:
     """labserver's app, its engine handing every sequence to the replicas (``RemoteEngine``)."""
 
-    def __init__(self, config: ServerConfig, replicas: Any, board: Any, max_in_flight: int, decode: Any = None) -> None:
-        """``decode``: disaggregated, the decode pool's handle (``replicas`` is then the prefill pool's)."""
+    def __init__(self, config: ServerConfig, replicas: Any, board: Any, max_in_flight: int, decode: Any = None,
+                 watch: tuple[str, str, dict[str, Any] | None] = ("ReplicaServer", "labserver", None)) -> None:
+        """``decode``: disaggregated, the decode pool's handle (``replicas`` is then the prefill pool's). ``watch``:
+        the replica deployment's name, the app's, and the autoscaler's settings (None: a fixed count), for
+        ``labserver.replicas.watch``."""
+        keep_serve_grpc_on_loopback()
         self.config, self.replicas, self.board, self.max_in_flight = config, replicas, board, max_in_flight
-        self.decode = decode
+        self.decode, self.watch = decode, watch
 
     def __serve_build_asgi_app__(self) -> Any:
         def engine(strategy: Any, model: Any) -> RemoteEngine:
             if self.decode is not None:
                 return DisaggEngine(strategy, model, self.replicas, self.max_in_flight, self.board, self.decode)
-            return BoardedEngine(strategy, model, self.replicas, self.max_in_flight, self.board)
+            return ScaledEngine(strategy, model, self.replicas, self.max_in_flight, self.board, *self.watch)
 
         app = create_app(self.config, engine_factory=engine)
         self.runtime: Runtime = app.state.runtime

@@ -41,6 +41,8 @@ class Runtime:
         self.engine: EngineBase | None = None
         self.state = "loading"  # loading -> ready | failed; stopping at shutdown
         self.load_error: str | None = None
+        self.load_s: float | None = None  # how long the model took to load (None: given loaded, or not yet)
+        self.compile_s: float | None = None  # how long its compile took (None: not compiled)
         self.statuses: Counter[int] = Counter()
         self.started_s = time.time()
         self.lag = LagMonitor(config.lag_interval_ms)
@@ -62,9 +64,11 @@ class Runtime:
         generate = isinstance(self.strategy, GenStrategy)
         try:
             if self.model is None:
+                began = time.perf_counter()
                 self.model = await asyncio.to_thread(load_model, cfg.model, device=cfg.device, dtype=cfg.dtype,
                                                      task=cfg.task, kind=self.strategy.kind,
                                                      paged=self.strategy.paged)
+                self.load_s = time.perf_counter() - began
             if generate != isinstance(self.model, GenModel):
                 raise ModelLoadError(_mismatch(self.strategy.name, cfg.model, generate))
             limits = self.strategy.limits
@@ -79,6 +83,7 @@ class Runtime:
 
                 # (on a thread that ends with it: no OpenMP team left beside the model thread's; models.cpu)
                 took = await asyncio.to_thread(on_fresh_thread, use_compiled(self.model).warm)
+                self.compile_s = took
                 logger.info("compiled %s's one-sequence step in %.1f s", cfg.model, took)
         except ModelLoadError as e:
             self.state, self.load_error = "failed", str(e)
