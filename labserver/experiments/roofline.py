@@ -23,6 +23,7 @@ print and notebook 9 draws:
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from collections import defaultdict
@@ -242,14 +243,15 @@ def dense_step_ms(gen: Any, batch: int, context: int, steps: int = 20) -> float:
     side by side, read in place): the median ms of one decode step of ``batch`` sequences at ``context`` tokens."""
     model, dev = gen.hf_model, gen.hf_model.device
     ids = torch.randint(1000, 20000, (batch, context), generator=torch.Generator().manual_seed(0)).to(dev)
+    named = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # (5.24's name)
     times = []
     with torch.inference_mode():
         out = model(input_ids=ids, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        cache, token = getattr(out, named), out.logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(steps):
             t0 = time.perf_counter()
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            out = model(input_ids=token, use_cache=True, **{named: cache})
+            cache, token = getattr(out, named), out.logits[:, -1].argmax(-1, keepdim=True)
             if dev.type == "cuda":  # (a GPU's step ends when its kernels do, not when they are launched)
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1000)
