@@ -276,6 +276,7 @@ def running(cmd: Sequence[str], health_url: str, log_path: str | Path, timeout_s
             cwd: str | Path | None = None, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """Run a server process until the block ends; ready once ``health_url`` answers 200."""
     log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)  # (a fresh clone has no benchmarks/.peers yet)
     with log_path.open("w") as log:
         proc = subprocess.Popen(list(cmd), stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
         try:
