@@ -247,11 +247,12 @@ def engine(args: argparse.Namespace) -> dict[str, Any]:
     """Part 7, in this process before any server starts; its OpenMP team freed after (``models.cpu``)."""
     print("the engine's own steps ...", file=sys.stderr)
     gen = load_model(args.model)
-    bandwidth = roofline.read_bandwidth()
+    steps = 3 if args.smoke else 20
+    bandwidth = roofline.read_bandwidth(rounds=3 if args.smoke else 9)
     with torch.inference_mode():
-        one = roofline.step_ms(gen, roofline.decode_chunks(gen, 1, args.context), 20)
-        call = roofline.step_ms(gen, roofline.decode_chunks(gen, args.batch, args.context), 20)
-    dense = roofline.dense_step_ms(gen, args.batch, args.context)
+        one = roofline.step_ms(gen, roofline.decode_chunks(gen, 1, args.context), steps)
+        call = roofline.step_ms(gen, roofline.decode_chunks(gen, args.batch, args.context), steps)
+    dense = roofline.dense_step_ms(gen, args.batch, args.context, steps)
     release_openmp_threads()
     return {"bandwidth_gb_s": bandwidth, "step_1_ms": one, "bytes_1": roofline.bytes_read(gen)
             + args.context * gen.kv_bytes_per_token, f"call_{args.batch}_ms": call, "dense_ms": dense}
