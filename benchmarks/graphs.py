@@ -40,9 +40,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 from genperf import Checks, row, write_results  # noqa: E402
 from onestream import greedy_answers  # noqa: E402
-from servedperf import dense_step_ms  # noqa: E402
 
-from labserver.experiments.roofline import bytes_read, decode_chunks, step_ms  # noqa: E402
+from labserver.experiments.roofline import bytes_read, decode_chunks, dense_step_ms, step_ms  # noqa: E402
 from labserver.experiments.runs import machine_info  # noqa: E402
 from labserver.models import load_model  # noqa: E402
 from labserver.models.folders import random_of_shape  # noqa: E402
@@ -79,7 +78,7 @@ def measure(spec: str, label: str, args: argparse.Namespace, batches: list[int],
     for b in batches:
         m[f"floor_ms_{b}"] = (bytes_read(gen) + b * args.context * gen.kv_bytes_per_token) / (bandwidth * 1e9) * 1e3
         m[f"eager_ms_{b}"] = step_ms(gen, decode_chunks(gen, b, args.context), args.steps)
-    m["dense_ms"] = dense_step_ms(gen, top, args.context)
+    m["dense_ms"] = dense_step_ms(gen, top, args.context, 30)
     eager = greedy(gen, top, args.context, args.tokens)
     try:
         graphs = use_cuda_graphs(gen, top, capture=None if args.device.startswith("cuda") else False)

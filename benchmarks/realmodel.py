@@ -18,8 +18,8 @@ PyTorch float32 is from the C++ server people run small models with on a CPU.
    (median of the rounds), as for the random weights: serving should keep the model's speed.
 2. **The decode step** of max_batch (16) sequences, served (the mean decode call timed inside
    the served runs' windows) against transformers' own forward on the same weights with its
-   dense cache (``servedperf.dense_step_ms``: the median of 30 steps at the served mix's mean
-   context). INFO: labserver's paged KV gathers what a dense cache reads in place, so a ratio
+   dense cache (``labserver.experiments.roofline.dense_step_ms``: the median of 30 steps at the
+   served mix's mean context). INFO: labserver's paged KV gathers what a dense cache reads in place, so a ratio
    above 1 is the price of paging, below 1 what its own forward saves.
 3. **labserver against llama-server**: ``gen-continuous`` (max_batch_size = the stream count,
    the float32 folder the GGUF was converted to) and llama.cpp's ``llama-server`` (built once under
@@ -75,6 +75,7 @@ from genperf import Checks, check_run, exit_status, per, row, write_results
 
 import labserver
 from labserver import analysis
+from labserver.experiments import roofline
 from labserver.experiments.peers import PeerUnavailable, free_port, llama_server, llama_server_cmd, running
 from labserver.experiments.runs import machine_info
 from labserver.load.lengths import UniformLength
@@ -385,7 +386,7 @@ def main() -> int:
     numbers["served_offline"] = served_vs_offline(gen, args)
     context = round(statistics.median(r["served"]["mean_context"] for r in numbers["served_offline"]))
     numbers["dense"] = {"context": context,
-                        "step_ms": on_fresh_thread(servedperf.dense_step_ms, gen, args.max_batch, context)}
+                        "step_ms": on_fresh_thread(roofline.dense_step_ms, gen, args.max_batch, context, 30)}
     numbers["streams"] = against_peer(gen, exe, args)
     rows = rows_of(numbers, args)
     numbers["rows"] = rows

@@ -147,11 +147,6 @@ def served(gen: Any, args: argparse.Namespace) -> dict[str, Any]:
                 "mean_context": statistics.mean(context) if context else float("nan")}
 
 
-def dense_step_ms(gen: Any, batch: int, context: int, steps: int = 30) -> float:
-    """transformers' own model with its dense cache: ``labserver.experiments.roofline.dense_step_ms``."""
-    return roofline.dense_step_ms(gen, batch, context, steps)
-
-
 def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
     check = Checks()
     check.rows(numbers["rows"], ["1 served/offline tokens/s", "2 served decode call", "3 attention ms per token",
@@ -217,7 +212,7 @@ def main() -> int:
         rounds.append(r)
     numbers["rounds"] = rounds
     context = round(statistics.median(r["served"]["mean_context"] for r in rounds))
-    numbers["dense"] = {"context": context, "step_ms": on_fresh_thread(dense_step_ms, gen, args.max_batch, context)}
+    numbers["dense"] = {"context": context, "step_ms": on_fresh_thread(roofline.dense_step_ms, gen, args.max_batch, context, 30)}
 
     def med(where: str, key: str) -> float:
         return statistics.median(r[where][key] for r in rounds)
