@@ -115,6 +115,11 @@ def test_a_compiled_step_of_one_sequence_equals_the_eager_step(folders: dict[str
         assert steps.replays == 39  # every decode step of one sequence went through the compiled code
         assert not steps.fits([Chunk(1, [5], 9, (0,)), Chunk(2, [5], 9, (1,))])  # two: eager
         assert steps.checked  # (the guards ran once; the later steps skipped them)
+    qkv = compiled.projections()[0]  # the projections the compiled step read: the modules' own weights, [out, in]
+    attn = compiled.hf_model.model.layers[0].self_attn
+    assert all(p.rows_weight is not None for p in compiled.projections())
+    assert attn.q_proj.weight.data_ptr() == qkv.rows_weight.data_ptr()  # (a view: nothing held twice)
+    assert attn.k_proj.weight.data_ptr() == qkv.rows_weight[qkv.outs[0]:].data_ptr()
     compiled.allocate_kv(8, 16)
     assert not steps.checked  # a pool made again: the next step checks every guard
     with pytest.raises(ModelLoadError, match="choose one"):

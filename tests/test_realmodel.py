@@ -318,6 +318,35 @@ def test_half_precision_lays_the_weights_side_by_side(dtype: torch.dtype, monkey
         assert torch.allclose(conv(x), expected[2], atol=2e-2)  # (another kernel: the last bits of a half may move)
 
 
+def test_a_compiled_float32_step_reads_the_modules_own_weights_row_by_row() -> None:
+    """``Dense.compiled`` (``--compile``): a float32 projection keeps oneDNN's copy for the eager calls, and its
+    modules' weights become views of one [sum of outs, in] tensor, which ``row_products`` multiplies (the form
+    inductor turns into one loop over the rows); GPT-2's Conv1D stays [in, out] to transformers, and biases add."""
+    from transformers.pytorch_utils import Conv1D
+
+    from labserver.models.linear import Dense, row_products
+
+    torch.manual_seed(0)
+    q, k, conv = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32, bias=False), Conv1D(48, 64)
+    x = torch.randn(1, 64)
+    with torch.inference_mode():
+        expected = [q(x), k(x), conv(x)]
+        both, alone = Dense(q, k), Dense(conv)
+        if not both.onednn:  # (a torch without oneDNN: nothing to switch)
+            both.compiled()
+            assert both.rows_weight is None
+            return
+        both.compiled(), alone.compiled()
+        assert both.rows_weight.shape == (96, 64) and both.rows_weight.is_contiguous()
+        assert q.weight.data_ptr() == both.rows_weight.data_ptr()
+        assert k.weight.data_ptr() == both.rows_weight[64:].data_ptr()
+        assert conv.weight.shape == (64, 48) and conv.weight.data_ptr() == alone.rows_weight.data_ptr()
+        assert torch.allclose(row_products(x, both.rows_weight, both.bias), torch.cat(expected[:2], 1), atol=1e-5)
+        assert torch.allclose(row_products(x, alone.rows_weight, alone.bias), expected[2], atol=1e-5)
+        assert torch.allclose(both(x), torch.cat(expected[:2], 1), atol=1e-5)  # (eager: still oneDNN's copy)
+        assert torch.equal(q(x), expected[0])  # the module computes as before, from the view
+
+
 def test_float16_multiplies_several_rows_through_a_float32_copy() -> None:
     """float16 on a CPU: one row through its own [out, in] weights (the memory's pace), two or more through a
     float32 copy in oneDNN's layout (float16's kernel multiplies row after row, ~30x slower at 32 rows); both

@@ -64,6 +64,9 @@ class GPT2Gen(PagedLM):
         tanh_gelu = config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
         self._act = (lambda h: F.gelu(h, approximate="tanh")) if tanh_gelu else hf_model.transformer.h[0].mlp.act
 
+    def projections(self) -> list[Any]:
+        return [d for block in self._dense for d in block]
+
     # -- the forward pass -----------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: CallPlan) -> torch.Tensor:
         """GPT-2 over one flattened call ([tokens] ids at their positions) -> final hidden states [tokens, width].

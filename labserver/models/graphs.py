@@ -124,23 +124,30 @@ class CompiledDecode:
 
     On a CPU one stream's step is bound partly by the dispatch of its ops: ~70 a layer (norms,
     the rotation, casts, the KV writes and reads, views), a few microseconds each on 2 cores.
-    Inductor fuses the elementwise ones into generated C++ loops and calls the matmuls as before.
+    Inductor fuses them into generated C++ loops, and its C++ wrapper (``cpp_wrapper``) calls
+    those loops and attention from C++, not Python. A float32 projection is written as products
+    and a sum over its weight's rows (``linear.row_products``), so inductor's loop reads the
+    weights in order inside the same kernel as the norm before it, where oneDNN's call costs
+    ~11 us of its own 120 times a step (the output head, one large call, stays with oneDNN).
     Only a step of one sequence is compiled: that is where dispatch is a large share of the step
     (several sequences spend it on their matmuls), and each batch size beyond one would be a
     second compile of about as long. Its shapes are dynamic (its positions, the pool's slots),
     so one compile serves every such step. Compiled code is cached by torch
     (``TORCHINDUCTOR_CACHE_DIR``, by default under the system's temporary folder): a second start
-    on the same machine loads it instead of compiling again. Inductor keeps float16
-    intermediates in float32 inside a fused loop, so the last bits differ from the eager step's:
-    the greedy answers are checked against transformers' with the near-tie rule
-    (``benchmarks/onestream.py``).
+    on the same machine loads it instead of compiling again. Its sums run in another order than
+    oneDNN's, and inductor keeps float16 intermediates in float32 inside a fused loop, so the last
+    bits differ from the eager step's: the greedy answers are checked against transformers' with
+    the near-tie rule (``benchmarks/onestream.py``).
     """
 
     capture = False
 
     def __init__(self, gen: Any) -> None:
         self.gen = gen
-        self.fn = torch.compile(self._step)
+        for projection in gen.projections():
+            if hasattr(projection, "compiled"):
+                projection.compiled()
+        self.fn = torch.compile(self._step, options={"cpp_wrapper": True})
         self.replays = 0
         self.checked = False  # a step has run with every guard since the pool was last made
 
@@ -175,9 +182,8 @@ class CompiledDecode:
 
     def _step(self, head: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
         """``head``: the token, its position, its slot; ``read``: the slots of every position it attends to."""
-        keys = read.shape[0]
-        mine = torch.ones((1, 1, 1, keys), dtype=torch.bool, device=read.device)
-        plan = CallPlan(head[2:3], [(head[:1] * 0, read, keys, mine)], [], (read, keys, mine))
+        keys = read.shape[0]  # (one query over all its keys: no mask)
+        plan = CallPlan(head[2:3], [(head[:1] * 0, read, keys, None)], [], (read, keys, None))
         return self.gen._forward(head[:1], head[1:2], plan)  # type: ignore[no-any-return]
 
     def warm(self) -> float:

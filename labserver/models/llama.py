@@ -118,9 +118,12 @@ class LlamaGen(PagedLM):
             w.o, w.down = Int4([parts["o_proj"]], w.o.bias), Int4([parts["down_proj"]], w.down.bias)
             w.gate_up = Int4([parts["gate_proj"], parts["up_proj"]], w.gate_up.bias)
 
+    def projections(self) -> list[Any]:
+        return [p for w in self._packed for p in (w.qkv, w.o, w.gate_up, w.down)]
+
     def projection_bytes(self) -> int:
         """Bytes every layer's projections read in a step, as held (float weights or 4-bit blocks)."""
-        return sum(p.nbytes for w in self._packed for p in (w.qkv, w.o, w.gate_up, w.down))
+        return sum(p.nbytes for p in self.projections())
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, plan: CallPlan) -> torch.Tensor:
         """One flattened call ([tokens] ids at their positions) -> final hidden states [tokens, width]."""

@@ -209,6 +209,10 @@ class PagedLM(TokenizerText):
         """[tokens] ids at their positions -> final hidden states [tokens, width]; attention through ``self.kv``."""
         raise NotImplementedError
 
+    def projections(self) -> list[Any]:
+        """Every layer's projection objects (``labserver.models.linear``), in call order."""
+        return []
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head_proj(hidden)  # (tied to the embeddings in GPT-2, SmolLM2 and the small Qwens)
 
