@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import labserver
+from labserver import wire
 from labserver.models import ModelLoadError, load_model
 from labserver.models.base import Chunk
 from labserver.models.gpt2 import gpt2_random
@@ -98,29 +99,44 @@ def test_the_flag_reaches_the_limits() -> None:
     assert not limits_from(parse(["serve", "--strategy", "gen-continuous"])).cuda_graphs
 
 
-def test_a_compiled_step_of_one_sequence_equals_the_eager_step(folders: dict[str, Path]) -> None:
-    """torch.compile of the one-sequence step (``--compile``), served: the same greedy tokens as the eager path,
-    a second sequence beside it runs eagerly, and the pool's new size costs no second compile."""
+def test_compiled_steps_of_one_sequence_and_of_several_equal_the_eager_steps(folders: dict[str, Path]) -> None:
+    """torch.compile of the decode steps (``--compile``), served: one sequence's step and a batch's, each compiled
+    once while the model loads; the same greedy tokens as the eager path, for one request and for two prompts of
+    different lengths decoding side by side (their positions padded and masked); the pool's new size costs no
+    second compile."""
     import httpx
 
-    eager = load_model(str(folders["llama"]), device="cpu", kind="generate")
     body = {"prompt": "the cat sat on the mat", "max_new_tokens": 40, "ignore_eos": True}
+    two = {"prompt": ["the cat sat on the mat", "a dog"], "max_tokens": 24, "temperature": 0,
+           "ignore_eos": True, "return_token_ids": True}
+
+    def both(url: str) -> list[list[int]]:
+        choices = httpx.post(url + wire.V1_COMPLETIONS_PATH, json=two, timeout=60).json()["choices"]
+        return [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])]
+
+    eager = load_model(str(folders["llama"]), device="cpu", kind="generate")
     with labserver.serve("gen-continuous", eager, device="cpu") as h:
         want = httpx.post(h.url + "/generate", json=body, timeout=60).json()["tokens"]
+        want_two = both(h.url)
     compiled = load_model(str(folders["llama"]), device="cpu", kind="generate")
     with labserver.serve("gen-continuous", compiled, device="cpu", compile=True) as h:  # (compiled while loading)
         steps = compiled.graphs
-        assert steps.replays == 0  # (compiled over the scratch slot, before any request)
+        assert steps.replays == 0  # (both compiled over the scratch slot, before any request)
         assert httpx.post(h.url + "/generate", json=body, timeout=60).json()["tokens"] == want
-        assert steps.replays == 39  # every decode step of one sequence went through the compiled code
-        assert not steps.fits([Chunk(1, [5], 9, (0,)), Chunk(2, [5], 9, (1,))])  # two: eager
-        assert steps.checked  # (the guards ran once; the later steps skipped them)
+        assert steps.replays == 39 and steps.batched == 0  # every decode step of one sequence went through the
+        #   compiled code
+        assert both(h.url) == want_two
+        assert steps.batched >= 20  # (the two decoded side by side: the batch's compiled step)
+        assert steps.fits([Chunk(1, [5], 9, (0,)), Chunk(2, [5], 3, (1,))])
+        assert not steps.fits([Chunk(1, [5], 0, (0,)), Chunk(2, [5], 0, (1,))])  # one position each: eager
+        assert not steps.fits([Chunk(1, [5, 6], 9, (0,))])  # a prompt piece: eager
+        assert steps.checked == {"one", "batch"}  # (the guards ran once for each; the later steps skipped them)
     qkv = compiled.projections()[0]  # the projections the compiled step read: the modules' own weights, [out, in]
     attn = compiled.hf_model.model.layers[0].self_attn
     assert all(p.rows_weight is not None for p in compiled.projections())
     assert attn.q_proj.weight.data_ptr() == qkv.rows_weight.data_ptr()  # (a view: nothing held twice)
     assert attn.k_proj.weight.data_ptr() == qkv.rows_weight[qkv.outs[0]:].data_ptr()
     compiled.allocate_kv(8, 16)
-    assert not steps.checked  # a pool made again: the next step checks every guard
+    assert not steps.checked  # a pool made again: the next step of each kind checks every guard
     with pytest.raises(ModelLoadError, match="choose one"):
         labserver.serve("gen-continuous", "gpt2-tiny-random", device="cpu", compile=True, cuda_graphs=True)

@@ -1,8 +1,8 @@
-"""Decode steps taken over from the eager forward: replayed from CUDA graphs on a GPU, or compiled for one stream.
+"""Decode steps taken over from the eager forward: replayed from CUDA graphs on a GPU, or compiled.
 
 ``DecodeGraphs`` (``--cuda-graphs``, a GPU): each step shape captured once, then a step is one
-copy in and one replay. ``CompiledDecode`` (``--compile``, any device, made for a CPU's one
-stream): one sequence's step through ``torch.compile``; its class says why and what it costs.
+copy in and one replay. ``CompiledDecode`` (``--compile``, any device, made for a CPU):
+decode-only calls through ``torch.compile``; its class says why and what it costs.
 
 On a GPU one decode step is a few hundred small kernels (a 30-layer model: norms, the
 projections, the rotation, the KV writes and reads, attention, the residual adds), each
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .base import Chunk, ModelLoadError
-from .kvcache import CallPlan
+from .kvcache import GROUP, CallPlan
 
 __all__ = ["MIN_KEYS", "CompiledDecode", "DecodeGraphs", "use_compiled", "use_cuda_graphs"]
 
@@ -120,24 +120,31 @@ class DecodeGraphs:
 
 
 class CompiledDecode:
-    """One sequence's one-token step through ``torch.compile`` (inductor): every layer as generated code.
+    """A decode-only call through ``torch.compile`` (inductor): every layer as generated code.
 
-    On a CPU one stream's step is bound partly by the dispatch of its ops: ~70 a layer (norms,
-    the rotation, casts, the KV writes and reads, views), a few microseconds each on 2 cores.
+    On a CPU a step is bound partly by the dispatch of its ops: ~70 a layer (norms, the
+    rotation, casts, the KV writes and reads, views), a few microseconds each on 2 cores.
     Inductor fuses them into generated C++ loops, and its C++ wrapper (``cpp_wrapper``) calls
-    those loops and attention from C++, not Python. A float32 projection is written as products
-    and a sum over its weight's rows (``linear.row_products``), so inductor's loop reads the
-    weights in order inside the same kernel as the norm before it, where oneDNN's call costs
-    ~11 us of its own 120 times a step (the output head, one large call, stays with oneDNN).
-    Only a step of one sequence is compiled: that is where dispatch is a large share of the step
-    (several sequences spend it on their matmuls), and each batch size beyond one would be a
-    second compile of about as long. Its shapes are dynamic (its positions, the pool's slots),
-    so one compile serves every such step. Compiled code is cached by torch
-    (``TORCHINDUCTOR_CACHE_DIR``, by default under the system's temporary folder): a second start
-    on the same machine loads it instead of compiling again. Its sums run in another order than
-    oneDNN's, and inductor keeps float16 intermediates in float32 inside a fused loop, so the last
-    bits differ from the eager step's: the greedy answers are checked against transformers' with
-    the near-tie rule (``benchmarks/onestream.py``).
+    those loops, the projections and attention from C++, not Python. Two compiles, both while
+    the model loads (``warm``):
+
+    - *one sequence* (one stream): a float32 projection is written as products and a sum over
+      its weight's rows (``linear.row_products``), so inductor's loop reads the weights in order
+      inside the same kernel as the norm before it, where oneDNN's call costs ~11 us of its own
+      120 times a step (the output head, one large call, stays with oneDNN);
+    - *a batch* of 2 to ``GROUP`` sequences, each one token: the projections stay oneDNN's
+      calls (several rows are matmuls, which oneDNN does well), and everything between them is
+      fused; the sequences' positions are padded to the longest and masked, as the eager path's
+      decode group is. Its sizes (sequences, positions) are dynamic, so one compile serves every
+      batch; a decode call of 32 on smollm2 took 0.88x the eager call's time (``docs/models.md``).
+
+    Its shapes are dynamic (positions, the pool's slots, the batch), so each compile serves
+    every such step. Compiled code is cached by torch (``TORCHINDUCTOR_CACHE_DIR``, by default
+    under the system's temporary folder): a second start on the same machine loads it instead of
+    compiling again. Its sums run in another order than the eager step's, and inductor keeps
+    float16 intermediates in float32 inside a fused loop, so the last bits differ from the eager
+    step's: the greedy answers are checked against transformers' with the near-tie rule
+    (``benchmarks/onestream.py``, ``benchmarks/peers.py``).
     """
 
     capture = False
@@ -145,40 +152,56 @@ class CompiledDecode:
     def __init__(self, gen: Any) -> None:
         self.gen = gen
         for projection in gen.projections():
-            if hasattr(projection, "compiled"):
-                projection.compiled()
+            projection.compiled()
         self.fn = torch.compile(self._step, options={"cpp_wrapper": True})
-        self.replays = 0
-        self.checked = False  # a step has run with every guard since the pool was last made
+        self.batch_fn = torch.compile(self._batch, options={"cpp_wrapper": True})
+        self.replays = 0  # steps through the compiled code (both kinds)
+        self.batched = 0  # of those, steps of several sequences
+        self.checked: set[str] = set()  # the kinds of step run with every guard since the pool was last made
 
     def clear(self) -> None:
-        """The pool was made again: the next step checks every guard (the compiled code reads the pool's tensors,
-        whatever their number of slots, so nothing else to forget)."""
-        self.checked = False
+        """The pool was made again: the next step of each kind checks every guard (the compiled code reads the
+        pool's tensors, whatever their number of slots, so nothing else to forget)."""
+        self.checked.clear()
 
     def fits(self, chunks: list[Chunk]) -> bool:
-        """One chunk of one token that samples, nothing to score."""
-        return len(chunks) == 1 and chunks[0].sample and len(chunks[0].tokens) == 1 and not chunks[0].score
+        """Up to ``GROUP`` chunks of one token that samples, nothing to score; several only when one of them has
+        two positions or more (a size of one is a compile of its own to torch)."""
+        if not 0 < len(chunks) <= GROUP or not all(c.sample and len(c.tokens) == 1 and not c.score for c in chunks):
+            return False
+        return len(chunks) == 1 or max(c.end for c in chunks) >= 2
 
     def hidden(self, chunks: list[Chunk]) -> torch.Tensor:
-        """The final hidden state of the one chunk's token [1, width]."""
-        kv, (c,) = self.gen.kv, chunks
-        slots = kv.table_slots(c)
+        """The final hidden state of each chunk's token [len(chunks), width], in call order."""
+        kv, dev = self.gen.kv, self.gen.kv.device
         self.replays += 1
-        return self._run(torch.tensor([c.tokens[0], c.start, slots[-1]], device=kv.device),
-                         torch.tensor(slots, device=kv.device))
+        if len(chunks) == 1:
+            (c,) = chunks
+            slots = kv.table_slots(c)
+            return self._run("one", torch.tensor([c.tokens[0], c.start, slots[-1]], device=dev),
+                             torch.tensor(slots, device=dev))
+        self.batched += 1
+        longest, head, read = max(c.end for c in chunks), [], []
+        for c in chunks:
+            slots = kv.table_slots(c)
+            head.append((c.tokens[0], c.start, slots[-1], c.end))
+            read.append(slots + slots[:1] * (longest - len(slots)))  # (padding: masked out)
+        return self._run("batch", torch.tensor(head, device=dev), torch.tensor(read, device=dev))
 
-    def _run(self, head: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    def _run(self, kind: str, head: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
         """One compiled step. Its guards (the checks torch runs before every call that the code still fits: the
-        model's tensors, their shapes and strides) cost ~0.5 ms of a ~9 ms step on 2 cores, so they run on the
-        first step after the pool was made and whenever one position is read (torch specialises a size of 1);
-        the other steps skip them (``skip_guard_eval_unsafe``): nothing they check changes in between."""
-        torch._dynamo.maybe_mark_dynamic(read, 0)  # (any context: one compile)
-        if not self.checked or read.shape[0] < 2:
-            self.checked = True
-            return self.fn(head, read)  # type: ignore[no-any-return]
+        model's tensors, their shapes and strides) cost ~0.5-1 ms of a step on 2 cores, so they run on the first
+        step of each kind after the pool was made and whenever one position is read (torch specialises a size of
+        1); the other steps skip them (``skip_guard_eval_unsafe``): nothing they check changes in between."""
+        for t in (head, read) if kind == "batch" else (read,):  # (any batch, any context: one compile each)
+            for d in range(t.dim()):
+                torch._dynamo.maybe_mark_dynamic(t, d)
+        fn = self.fn if kind == "one" else self.batch_fn
+        if kind not in self.checked or read.shape[-1] < 2:
+            self.checked.add(kind)
+            return fn(head, read)  # type: ignore[no-any-return]
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            return self.fn(head, read)  # type: ignore[no-any-return]
+            return fn(head, read)  # type: ignore[no-any-return]
 
     def _step(self, head: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
         """``head``: the token, its position, its slot; ``read``: the slots of every position it attends to."""
@@ -186,12 +209,24 @@ class CompiledDecode:
         plan = CallPlan(head[2:3], [(head[:1] * 0, read, keys, None)], [], (read, keys, None))
         return self.gen._forward(head[:1], head[1:2], plan)  # type: ignore[no-any-return]
 
+    def _batch(self, head: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+        """``head`` [n, 4]: each sequence's token, position, slot and length; ``read`` [n, longest]: the slots it
+        attends to, padded with its first."""
+        n, longest = read.shape
+        mine = (torch.arange(longest, device=read.device)[None, :] < head[:, 3:4])[:, None, None, :]
+        slots = read.flatten()
+        plan = CallPlan(head[:, 2], [(torch.arange(n, device=read.device), slots, longest, mine)], [],
+                        (slots, longest, mine))
+        return self.gen._forward(head[:, 0], head[:, 1], plan)  # type: ignore[no-any-return]
+
     def warm(self) -> float:
-        """Compile now (a step over the scratch slot alone), not at the first request's step; the seconds it took."""
+        """Compile now (steps over the scratch slot alone: one sequence, then two), not at the first requests'
+        steps; the seconds it took."""
         start = time.perf_counter()
         s, dev = self.gen.kv.scratch, self.gen.kv.device
         with torch.inference_mode():
-            self._run(torch.tensor([0, 1, s], device=dev), torch.tensor([s, s], device=dev))
+            self._run("one", torch.tensor([0, 1, s], device=dev), torch.tensor([s, s], device=dev))
+            self._run("batch", torch.tensor([[0, 1, s, 2]] * 2, device=dev), torch.tensor([[s, s]] * 2, device=dev))
         return time.perf_counter() - start
 
 

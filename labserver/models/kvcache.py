@@ -65,8 +65,9 @@ class CallPlan:
     decodes: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]  # per group of decoding sequences:
     #   their rows in the call, the slots they read ([group x longest], padded), the longest, which keys are theirs
     #   (None: one sequence, one query, every key)
-    prompts: list[tuple[int, int, torch.Tensor, torch.Tensor | None, bool]]  # per prompt chunk: its rows a..z,
-    #   its positions' slots, the keys each query may see (None: all, or plain causal), causal
+    prompts: list[tuple[int, int, torch.Tensor, torch.Tensor | None, bool, int]]  # per prompt chunk, or run of
+    #   whole prompts of one length side by side in the call: its rows a..z, its positions' slots, the keys each
+    #   query may see (None: all, or plain causal), causal, how many sequences
     alone: tuple[torch.Tensor, int, torch.Tensor | None] | None = None  # the one decode group's slots, longest and
     #   keys when it is the whole call, its rows in call order (one stream's step, or a few sequences')
 
@@ -142,24 +143,35 @@ class PagedKV:
         write: list[int] = []
         queriers: list[tuple[int, list[int], int]] = []  # (its first row in the call, the slots of all its
         #   positions, its queries): one token's, or a decoding sequence's token and its guesses (a verification)
-        prompts = []
+        pieces: list[tuple[int, int, list[int], int, int]] = []  # prompt chunks: (rows a..z, slots, sequences,
+        #   the length of each when they are whole prompts, else 0)
         for c in chunks:
             every = self.table_slots(c)
             a, n = len(write), len(c.tokens)
             write += every[c.start:]
             if n == 1 or c.decode:  # query i sees every position up to its own
                 queriers.append((a, every, n))
-                continue
-            # a piece after cached positions: query j sees every key up to its own position start + j
-            mask = None if c.start == 0 else (torch.arange(c.end, device=dev)[None, :]
-                                              <= torch.arange(c.start, c.end, device=dev)[:, None])
-            prompts.append((a, a + n, torch.tensor(every, device=dev), mask, c.start == 0))
+            elif c.start == 0 and pieces and pieces[-1][1] == a and pieces[-1][4] == n:  # a whole prompt as long as
+                b, _, slots, seqs, _ = pieces[-1]  # the whole ones just before it: one batch with them
+                pieces[-1] = (b, a + n, slots + every, seqs + 1, n)
+            else:
+                pieces.append((a, a + n, every, 1, n if c.start == 0 else 0))
+        prompts = [(a, z, torch.tensor(every, device=dev), self._sees(len(every), z - a), whole > 0, seqs)
+                   for a, z, every, seqs, whole in pieces]
         decodes = self._groups(queriers)  # (sorts queriers)
         alone = None
         if len(decodes) == 1 and not prompts and [a + j for a, _, n in queriers for j in range(n)] == list(
                 range(len(write))):
             alone = decodes[0][1:]
         return CallPlan(torch.tensor(write, dtype=torch.long, device=dev), decodes, prompts, alone)
+
+    def _sees(self, keys: int, queries: int) -> torch.Tensor | None:
+        """The keys each of a prompt piece's queries sees: query j (position keys - queries + j) every key up to its
+        own position; None for a whole prompt (plain causal)."""
+        if keys == queries:
+            return None
+        return (torch.arange(keys, device=self.device)[None, :]
+                <= torch.arange(keys - queries, keys, device=self.device)[:, None])
 
     def _groups(self, queriers: list[tuple[int, list[int], int]]) -> list[tuple[torch.Tensor, torch.Tensor, int,
                                                                                 torch.Tensor | None]]:
@@ -198,12 +210,12 @@ class PagedKV:
         out = torch.empty_like(q)
         for rows, read, longest, mine in plan.decodes:
             out[rows] = self._decode(keys, values, q[rows], read, longest, mine, gqa)
-        for a, z, read, mask, causal in plan.prompts:
-            kk = keys.index_select(0, read).to(wide).transpose(0, 1)
-            vv = values.index_select(0, read).to(wide).transpose(0, 1)
-            o = F.scaled_dot_product_attention(q[a:z].transpose(0, 1).to(wide), kk, vv, attn_mask=mask,
-                                               is_causal=causal, enable_gqa=gqa)
-            out[a:z] = o.transpose(0, 1).to(out.dtype)
+        for a, z, read, mask, causal, seqs in plan.prompts:  # [sequences, heads, positions, head_dim]
+            kk = keys.index_select(0, read).to(wide).view(seqs, -1, self.heads, self.head_dim).transpose(1, 2)
+            vv = values.index_select(0, read).to(wide).view(seqs, -1, self.heads, self.head_dim).transpose(1, 2)
+            qq = q[a:z].view(seqs, -1, q.shape[1], q.shape[2]).transpose(1, 2).to(wide)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+            out[a:z] = o.transpose(1, 2).reshape(z - a, q.shape[1], q.shape[2]).to(out.dtype)
         return out
 
     def _decode(self, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, read: torch.Tensor, longest: int,

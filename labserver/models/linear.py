@@ -205,14 +205,15 @@ class Dense:
         return self.shape[0] * self.shape[1] * self.itemsize + _nbytes(self.bias)
 
     def compiled(self) -> None:
-        """Under ``torch.compile`` from now on, multiply as ``row_products`` (float32 through oneDNN only): the
-        modules' weights made views of one ``[out, in]`` tensor, which it reads (nothing held twice)."""
+        """Under ``torch.compile`` from now on, multiply one row as ``row_products`` (float32 through oneDNN only;
+        several rows stay oneDNN's matmul): the modules' weights made views of one ``[out, in]`` tensor, which it
+        reads (nothing held twice)."""
         if self.onednn and self.rows_weight is None and self.modules[0].weight.dtype == torch.float32:
             self.rows_weight = side_by_side(*self.modules, rows=True)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn:
-            if self.rows_weight is not None and torch.compiler.is_compiling():
+            if self.rows_weight is not None and torch.compiler.is_compiling() and x.shape[0] == 1:  # (one row)
                 return row_products(x, self.rows_weight, self.bias)
             return _through_onednn(x, self.weight, self.bias)
         if self.wide is not None and x.numel() >= WIDE_ROWS * x.shape[-1]:
@@ -261,6 +262,9 @@ class Int4:
     def nbytes(self) -> int:
         """Bytes a multiplication reads: the packed blocks, their scales and minimums (and the bias)."""
         return _nbytes(self.packed, self.scales_zeros, self.bias)
+
+    def compiled(self) -> None:
+        """Nothing to change under ``torch.compile``: its matmul is one op either way (``Dense.compiled``)."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP,

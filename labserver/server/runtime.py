@@ -81,10 +81,11 @@ class Runtime:
             if limits.compile:
                 from ..models.graphs import use_compiled
 
-                # (on a thread that ends with it: no OpenMP team left beside the model thread's; models.cpu)
-                took = await asyncio.to_thread(on_fresh_thread, use_compiled(self.model).warm)
+                # (made and warmed on a thread that ends with it: stacking the weights and the compile run parallel
+                # ops, and any other thread that does keeps an OpenMP team beside the model thread's; models.cpu)
+                took = await asyncio.to_thread(on_fresh_thread, lambda: use_compiled(self.model).warm())
                 self.compile_s = took
-                logger.info("compiled %s's one-sequence step in %.1f s", cfg.model, took)
+                logger.info("compiled %s's decode steps in %.1f s", cfg.model, took)
         except ModelLoadError as e:
             self.state, self.load_error = "failed", str(e)
             logger.error("model %r failed to load: %s", cfg.model, e, exc_info=e.__cause__)
