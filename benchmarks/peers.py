@@ -1,11 +1,12 @@
 """labserver beside vLLM and llama-server: the same weights, the same cores, one server at a time.
 
-    python benchmarks/peers.py --out results/peers/cpu.json        # ~60 min on 2 cores (vLLM installed on first use)
+    python benchmarks/peers.py --out results/peers/cpu.json        # ~70 min on 2 cores (vLLM installed on first use)
     python benchmarks/peers.py --smoke --out /tmp/peers.json       # gpt2-tiny-random, labserver alone, ~2 min
 
 The servers, each a process of its own started and stopped here, never two at once:
-labserver (``labserver serve --strategy gen-continuous``, float32, the default), vLLM 0.32's
-CPU build (``labserver.experiments.peers.vllm_python``: its own venv, float32, on every
+labserver (``labserver serve --strategy gen-continuous``, float32, the default), the same with
+``--compile`` (its decode steps compiled, ``labserver.models.graphs.CompiledDecode``: parts 1, 2
+and 4 only), vLLM 0.32's CPU build (``labserver.experiments.peers.vllm_python``: its own venv, float32, on every
 core) and ``llama-server`` (built once, on the GGUF's Q4_1 blocks). labserver and vLLM load
 the same converted folder; llama-server the GGUF it came from. One run, in rounds whose
 order turns (round 1: vLLM first, whose saturation sets the open-loop rates):
@@ -72,10 +73,10 @@ from labserver.models.graphs import use_compiled
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks" / ".peers"
-OURS, VLLM, LLAMA = "labserver", "vLLM", "llama-server"
+OURS, COMPILED, VLLM, LLAMA = "labserver", "labserver --compile", "vLLM", "llama-server"
 FULL = dict(model="smollm2", rounds=2, warmup=10.0, duration=30.0, streams="1,16,32", answer_tokens=64,
             one_stream_tokens=128, prompt_tokens=32, quiet_wait=120.0, max_rest=0.6, open_requests=300,
-            exact_questions=16, exact_tokens=64, servers=f"{OURS},{VLLM},{LLAMA}", context=128, batch=16)
+            exact_questions=16, exact_tokens=64, servers=f"{OURS},{COMPILED},{VLLM},{LLAMA}", context=128, batch=16)
 SMOKE = dict(model="gpt2-tiny-random", rounds=1, warmup=0.5, duration=2.0, streams="1,4", answer_tokens=16,
              one_stream_tokens=16, prompt_tokens=16, quiet_wait=0.0, max_rest=math.inf, open_requests=40,
              exact_questions=2, exact_tokens=8, servers=OURS, context=32, batch=4)
@@ -98,10 +99,11 @@ def serving(who: str, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     port = peers.free_port()
     url = f"http://127.0.0.1:{port}"
     env = None
-    if who == OURS:
+    if who in (OURS, COMPILED):
         cmd = [sys.executable, "-m", "labserver.cli", "serve", "--strategy", "gen-continuous", "--model", args.model,
-               "--port", str(port), "--max-batch", "32", "--max-new-tokens", "1024", "--log-level", "warning"]
-        name, log = args.model, PEERS / "labserver-peers.log"
+               "--port", str(port), "--max-batch", "32", "--max-new-tokens", "1024", "--log-level", "warning",
+               *(["--compile"] if who == COMPILED else [])]
+        name, log = args.model, PEERS / f"labserver-peers{'-compile' if who == COMPILED else ''}.log"
     elif who == VLLM:
         python = peers.vllm_python(PEERS, install=not args.smoke)
         cmd, env = peers.vllm_cmd(python, folder(args), port, served_name=args.model), peers.vllm_env()
@@ -220,6 +222,11 @@ def run_server(who: str, rnd: int, numbers: dict[str, Any], texts: list[str], ar
             print(f"  {m['tps']:.1f} tokens/s ({m['errors']} errors)", file=sys.stderr)
         if not first:
             return
+        if who == COMPILED:  # (its greedy answers; the open loop and the clients' checks are the eager server's)
+            numbers["answers"][who] = answers(server, numbers["exact_prompts"], args)
+            if VLLM in numbers["answers"]:
+                numbers["parted_compiled"] = parted(server, numbers["answers"][who], numbers["answers"][VLLM])
+            return
         if who == VLLM or (VLLM not in args.servers and who == OURS):  # the open loop's rates: its saturation
             numbers["saturation_rps"] = numbers["streams"][args.streams.split(",")[-1]][who][0]["tps"] / \
                 args.answer_tokens
@@ -296,16 +303,17 @@ def engine_rows(m: dict[str, Any], args: argparse.Namespace) -> list[dict[str, A
 
 def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = engine_rows(numbers["engine"], args) if numbers.get("engine") else []
-    ran = [w for w in (OURS, VLLM, LLAMA) if w in numbers["start"]]
+    ran = [w for w in (OURS, COMPILED, VLLM, LLAMA) if w in numbers["start"]]
     for n, by in numbers["streams"].items():
         label = f"{n} stream{'s' if n != '1' else ''}:"
-        for peer, goal in ((VLLM, 1.0), (LLAMA, None)):
-            if peer not in by:
+        for ours, peer, goal in ((OURS, VLLM, 1.0), (COMPILED, VLLM, 1.0), (OURS, LLAMA, None)):
+            if peer not in by or ours not in by:
                 continue
-            per_round = [per(a["tps"], b["tps"]) for a, b in zip(by[OURS], by[peer], strict=False)]
+            per_round = [per(a["tps"], b["tps"]) for a, b in zip(by[ours], by[peer], strict=False)]
             ratio = statistics.median(per_round)
-            a, b = (statistics.median(m["tps"] for m in by[w]) for w in (OURS, peer))
-            rows.append(row(f"{label} labserver {args.model} / {peer} output tokens/s", ratio,
+            a, b = (statistics.median(m["tps"] for m in by[w]) for w in (ours, peer))
+            name = f"{args.model}{' --compile' if ours == COMPILED else ''}"
+            rows.append(row(f"{label} labserver {name} / {peer} output tokens/s", ratio,
                             "(info)" if goal is None else f">= {goal:g}", None if goal is None else ratio >= goal,
                             f"{a:.4g} vs {b:.4g} tokens/s; rounds " + ", ".join(f"{x:.3f}" for x in per_round)))
     for load, by in numbers["open"].items():
@@ -320,11 +328,14 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
                         None, rest))
         rows.append(row(f"{where} labserver / vLLM ITL p99", per(a["itl_p99_ms"], b["itl_p99_ms"]), "(info)", None,
                         f"{a['itl_p99_ms']:.0f} vs {b['itl_p99_ms']:.0f} ms"))
-    if OURS in numbers["answers"] and VLLM in numbers["answers"]:
-        total, split = len(numbers["answers"][OURS]), numbers.get("parted", [])
+    for ours, key in ((OURS, "parted"), (COMPILED, "parted_compiled")):
+        if ours not in numbers["answers"] or VLLM not in numbers["answers"]:
+            continue
+        total, split = len(numbers["answers"][ours]), numbers.get(key, [])
         ties = [p for p in split if p["gap"] <= NEAR_TIE]
         ok = len(split) == len(ties) and len(split) <= 2
-        rows.append(row(f"exact: labserver {args.model} greedy texts equal vLLM's", total - len(split),
+        name = f"{args.model}{' --compile' if ours == COMPILED else ''}"
+        rows.append(row(f"exact: labserver {name} greedy texts equal vLLM's", total - len(split),
                         f"{total} (ties)", ok, f"{total - len(split)} of {total} answers of {args.exact_tokens} tokens "
                         "equal, float32 on both; parted at " + (", ".join(
                             f"question {p['question']} token {p['at']} (labserver's top two {p['gap']:.1e} apart)"
@@ -332,7 +343,9 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
     for who in ran:
         starts = [s["start_s"] for s in numbers["start"][who]]
         how = {VLLM: " (from this machine's compile cache)" if numbers["start"][who][0]["compile_cache"]
-               else " (the first: compiling)", OURS: " (the converted folder cached)", LLAMA: ""}[who]
+               else " (the first: compiling)", OURS: " (the converted folder cached)", LLAMA: "",
+               COMPILED: " (the converted folder cached; its decode steps compiled, or read from torch's cache where "
+               "an earlier start or part 7 left them)"}[who]
         rows.append(row(f"start: {who} seconds to /health 200", statistics.median(starts), "(info)", None,
                         "starts " + ", ".join(f"{s:.1f}" for s in starts) + how))
     bench = numbers.get("bench_serve")
@@ -408,7 +421,7 @@ def main() -> int:
     numbers["exact_prompts"] = chat_prompts(args)
     if "engine" not in args.skip:
         numbers["engine"] = engine(args)
-    who = [w for w in (VLLM, OURS, LLAMA) if w in args.servers]  # round 1: vLLM first (its saturation: the rates)
+    who = [w for w in (VLLM, OURS, COMPILED, LLAMA) if w in args.servers]  # round 1: vLLM first (its saturation: the rates)
     for rnd in range(args.rounds):
         for name in who[rnd % len(who):] + who[:rnd % len(who)]:
             try:

@@ -70,8 +70,9 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
                    help="gen-*, on a GPU: replay decode steps from CUDA graphs (one launch a step instead of one a "
                         "kernel; steps padded to buckets)")
     p.add_argument("--compile", action="store_true",
-                   help="gen-*: compile one sequence's decode step with torch.compile at startup (~35 s on 2 cores "
-                        "the first time; cached by torch after); one stream's steps then dispatch fewer ops")
+                   help="gen-*: compile the decode steps (one sequence's, and a batch's) with torch.compile at "
+                        "startup (~1.5 min on 2 cores the first time; cached by torch after); steps then dispatch "
+                        "fewer ops")
     p.add_argument("--prefill", default=_LIMITS.prefill, choices=list(PREFILLS),
                    help="gen-continuous, gen-paged: prefill all that fit at every step, at most "
                         "--max-prefill-tokens, or in pieces inside each step (--max-step-tokens)")

@@ -29,7 +29,9 @@ attends over exactly its own positions, read through its table:
   ``Chunk.draft``): grouped as decodes are, k + 1 queries each, query i seeing the keys up
   to its own position;
 - prompt tokens: per chunk, a gather of its positions and one attention call, causal
-  within the new tokens (a piece after cached positions also sees all of those).
+  within the new tokens (a piece after cached positions also sees all of those); whole
+  prompts of one length side by side in the call are one batch of one call (16 prompts of
+  32 tokens on smollm2's shapes: 0.33 against 1.34 ms a layer one by one, 2 cores).
 
 On a GPU, vLLM's attention kernel reads the blocks in place; on a CPU without one, the
 gather is the price of paging (``docs/memory.md`` has what it costs on 2 cores). On a CPU,

@@ -67,7 +67,7 @@ class Limits:
     prefix_cache: bool = False  # prompts that begin alike share their KV blocks (whole blocks, keyed by tokens)
     cuda_graphs: bool = False  # decode steps replayed from CUDA graphs, padded to buckets (a GPU only:
     #   labserver.models.graphs)
-    compile: bool = False  # one sequence's decode step compiled by torch.compile, at startup, cached by torch
+    compile: bool = False  # decode steps (one sequence's, a batch's) compiled by torch.compile at startup, cached
     #   (labserver.models.graphs.CompiledDecode)
     prefill: str = "eager"  # gen-continuous, gen-paged: "eager" prefills whole prompts between two steps; "budget"
     #   at most max_prefill_tokens of them; "chunked" pieces of prompts inside each step, max_step_tokens in all
