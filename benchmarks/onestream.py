@@ -81,7 +81,7 @@ def load_gen(name: str) -> Any:
     spec, _, dtype = name.partition(":")
     gen = load_model(spec, device="cpu", kind="generate", dtype=dtype or "auto")
     if plus:
-        COMPILE_S[name + plus] = on_fresh_thread(use_compiled(gen).warm)
+        COMPILE_S[name + plus] = on_fresh_thread(lambda: use_compiled(gen).warm(batch=False))  # (one stream's)
     return gen
 
 
@@ -89,7 +89,7 @@ COMPILE_S: dict[str, float] = {}
 SECOND_START = ("import sys; from labserver.models import load_model, on_fresh_thread; "
                 "from labserver.models.graphs import use_compiled; "
                 "gen = load_model(sys.argv[1], device='cpu', kind='generate', dtype=sys.argv[2]); "
-                "print(on_fresh_thread(use_compiled(gen).warm))")
+                "print(on_fresh_thread(lambda: use_compiled(gen).warm(batch=False)))")
 
 
 def second_start(name: str) -> float:

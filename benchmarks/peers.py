@@ -1,6 +1,6 @@
 """labserver beside vLLM and llama-server: the same weights, the same cores, one server at a time.
 
-    python benchmarks/peers.py --out results/peers/cpu.json        # ~70 min on 2 cores (vLLM installed on first use)
+    python benchmarks/peers.py --out results/peers/cpu.json        # ~40 min on 2 cores (vLLM installed on first use)
     python benchmarks/peers.py --smoke --out /tmp/peers.json       # gpt2-tiny-random, labserver alone, ~2 min
 
 The servers, each a process of its own started and stopped here, never two at once:
@@ -421,7 +421,8 @@ def main() -> int:
     numbers["exact_prompts"] = chat_prompts(args)
     if "engine" not in args.skip:
         numbers["engine"] = engine(args)
-    who = [w for w in (VLLM, OURS, COMPILED, LLAMA) if w in args.servers]  # round 1: vLLM first (its saturation: the rates)
+    who = [w for w in (VLLM, OURS, COMPILED, LLAMA) if w in args.servers]  # round 1: vLLM first (its saturation:
+    #   the rates)
     for rnd in range(args.rounds):
         for name in who[rnd % len(who):] + who[:rnd % len(who)]:
             try:

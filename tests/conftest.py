@@ -25,7 +25,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 RAY_TESTS = ("tests/test_replicas.py", "tests/test_replicas_cli.py", "tests/test_replicas_autoscale.py", "tests/test_disagg.py", "test_notebook_runs[10_replicas", "test_notebook_runs[14_prefill", "test_notebook_runs[16_replicas")
-TIMED = ("tests/test_queueing_theory.py", "test_a_compiled_step_of_one_sequence",  # live latencies within 10 %,
+TIMED = ("tests/test_queueing_theory.py", "test_compiled_steps_of_one_sequence",  # live latencies within 10 %,
          "test_notebook_runs[09_kv")  # and torch.compile, which takes both cores for ~20 s: never side by side
 
 

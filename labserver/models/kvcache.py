@@ -16,7 +16,8 @@ layer ``attend`` first writes the new tokens' K and V to their slots, then each 
 attends over exactly its own positions, read through its table:
 
 - decode tokens (one query each): sorted by length and taken in groups of up to
-  ``GROUP``; each group gathers its sequences' positions (``index_select``: a copy) into
+  ``GROUP``, a group closed where padding would make its keys more than ``PADDING`` times
+  its own; each group gathers its sequences' positions (``index_select``: a copy) into
   one batch padded only to the group's own longest, and runs one
   ``scaled_dot_product_attention`` with a mask for each sequence's length (none for a group of
   one). Under grouped-query attention the query heads that share a KV head are that head's
@@ -52,11 +53,18 @@ import torch.nn.functional as F
 
 from .base import Chunk, ModelError
 
-__all__ = ["CallPlan", "PagedKV"]
+__all__ = ["CallPlan", "PagedKV", "padded_within"]
 
 
 GROUP = 32  # decoding sequences attended together (fewer calls, each padded to its own longest): 32 took
 #   60 ms where 8 took 64 for a decode call of 32 on smollm2 (2 cores), and 35 where 8 took 39 for 16
+PADDING = 1.25  # ... as long as the group's keys, padded, are at most this many times its own: 19 sequences of 16
+#   to 560 positions in one group made a decode call of gpt2-random 1.5x as long a sequence as 6 in groups
+
+
+def padded_within(lengths: Sequence[int]) -> bool:
+    """Positions of sequences sorted by length, attended as one padded group: within ``PADDING`` of their own."""
+    return len(lengths) * lengths[-1] <= PADDING * sum(lengths)
 
 
 @dataclass
@@ -183,7 +191,8 @@ class PagedKV:
         dev, groups = self.device, []
         queriers.sort(key=lambda v: (v[2], len(v[1])))
         for i, querier in enumerate(queriers):
-            if i and querier[2] == queriers[i - 1][2] and len(groups[-1]) < GROUP:
+            if i and querier[2] == queriers[i - 1][2] and len(groups[-1]) < GROUP and padded_within(
+                    [len(v[1]) for v in groups[-1]] + [len(querier[1])]):
                 groups[-1].append(querier)
             else:
                 groups.append([querier])
@@ -191,12 +200,13 @@ class PagedKV:
         for group in groups:
             q, longest = group[0][2], len(group[-1][1])
             padded = [slots + slots[:1] * (longest - len(slots)) for _, slots, _ in group]  # (padding: masked out)
-            first = torch.tensor([len(slots) - q for _, slots, _ in group], device=dev)  # each one's first query's
-            sees = torch.arange(longest, device=dev)[None, None, :] <= (first[:, None, None]
-                                                                        + torch.arange(q, device=dev)[None, :, None])
             rows = torch.tensor([a + j for a, _, _ in group for j in range(q)], device=dev)
-            alone = len(group) == 1 and q == 1  # (every key its own: SDPA without a mask, ~40 % faster)
-            out.append((rows, torch.tensor(padded, device=dev).flatten(), longest, None if alone else sees[:, None]))
+            sees = None  # one sequence, one query: every key its own, SDPA without a mask (~40 % faster)
+            if len(group) > 1 or q > 1:
+                first = torch.tensor([len(slots) - q for _, slots, _ in group], device=dev)  # each one's first query's
+                sees = (torch.arange(longest, device=dev)[None, None, :]
+                        <= first[:, None, None] + torch.arange(q, device=dev)[None, :, None])[:, None]
+            out.append((rows, torch.tensor(padded, device=dev).flatten(), longest, sees))
         return out
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CallPlan) -> torch.Tensor:
