@@ -171,7 +171,8 @@ class CompiledDecode:
         longest are within ``PADDING`` of their own (else the eager path's groups pad less)."""
         if not 0 < len(chunks) <= GROUP or not all(c.sample and len(c.tokens) == 1 and not c.score for c in chunks):
             return False
-        return len(chunks) == 1 or max(c.end for c in chunks) >= 2 and padded_within(sorted(c.end for c in chunks))
+        ends = [c.end for c in chunks]
+        return len(ends) == 1 or max(ends) >= 2 and padded_within(len(ends), max(ends), sum(ends))
 
     def hidden(self, chunks: list[Chunk]) -> torch.Tensor:
         """The final hidden state of each chunk's token [len(chunks), width], in call order."""

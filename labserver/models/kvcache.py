@@ -62,9 +62,10 @@ PADDING = 1.25  # ... as long as the group's keys, padded, are at most this many
 #   to 560 positions in one group made a decode call of gpt2-random 1.5x as long a sequence as 6 in groups
 
 
-def padded_within(lengths: Sequence[int]) -> bool:
-    """Positions of sequences sorted by length, attended as one padded group: within ``PADDING`` of their own."""
-    return len(lengths) * lengths[-1] <= PADDING * sum(lengths)
+def padded_within(count: int, longest: int, own: int) -> bool:
+    """``count`` sequences of ``own`` positions in all, attended as one group padded to the ``longest``: within
+    ``PADDING`` of their own."""
+    return count * longest <= PADDING * own
 
 
 @dataclass
@@ -75,9 +76,9 @@ class CallPlan:
     decodes: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]  # per group of decoding sequences:
     #   their rows in the call, the slots they read ([group x longest], padded), the longest, which keys are theirs
     #   (None: one sequence, one query, every key)
-    prompts: list[tuple[int, int, torch.Tensor, torch.Tensor | None, bool, int]]  # per prompt chunk, or run of
-    #   whole prompts of one length side by side in the call: its rows a..z, its positions' slots, the keys each
-    #   query may see (None: all, or plain causal), causal, how many sequences
+    prompts: list[tuple[int, int, torch.Tensor, torch.Tensor | None, int]]  # per prompt chunk, or run of whole
+    #   prompts of one length side by side in the call: its rows a..z, its positions' slots, the keys each query
+    #   may see (None: plain causal, whole prompts), how many sequences
     alone: tuple[torch.Tensor, int, torch.Tensor | None] | None = None  # the one decode group's slots, longest and
     #   keys when it is the whole call, its rows in call order (one stream's step, or a few sequences')
 
@@ -166,8 +167,8 @@ class PagedKV:
                 pieces[-1] = (b, a + n, slots + every, seqs + 1, n)
             else:
                 pieces.append((a, a + n, every, 1, n if c.start == 0 else 0))
-        prompts = [(a, z, torch.tensor(every, device=dev), self._sees(len(every), z - a), whole > 0, seqs)
-                   for a, z, every, seqs, whole in pieces]
+        prompts = [(a, z, torch.tensor(every, device=dev), self._sees(len(every), z - a), seqs)
+                   for a, z, every, seqs, _ in pieces]
         decodes = self._groups(queriers)  # (sorts queriers)
         alone = None
         if len(decodes) == 1 and not prompts and [a + j for a, _, n in queriers for j in range(n)] == list(
@@ -190,12 +191,16 @@ class PagedKV:
         length L: 0..L - q + i)."""
         dev, groups = self.device, []
         queriers.sort(key=lambda v: (v[2], len(v[1])))
+        own = 0  # the current group's positions, unpadded
         for i, querier in enumerate(queriers):
-            if i and querier[2] == queriers[i - 1][2] and len(groups[-1]) < GROUP and padded_within(
-                    [len(v[1]) for v in groups[-1]] + [len(querier[1])]):
+            length = len(querier[1])
+            if (i and querier[2] == queriers[i - 1][2] and len(groups[-1]) < GROUP
+                    and padded_within(len(groups[-1]) + 1, length, own + length)):  # (sorted: this one the longest)
                 groups[-1].append(querier)
+                own += length
             else:
                 groups.append([querier])
+                own = length
         out = []
         for group in groups:
             q, longest = group[0][2], len(group[-1][1])
@@ -222,11 +227,11 @@ class PagedKV:
         out = torch.empty_like(q)
         for rows, read, longest, mine in plan.decodes:
             out[rows] = self._decode(keys, values, q[rows], read, longest, mine, gqa)
-        for a, z, read, mask, causal, seqs in plan.prompts:  # [sequences, heads, positions, head_dim]
+        for a, z, read, mask, seqs in plan.prompts:  # [sequences, heads, positions, head_dim]
             kk = keys.index_select(0, read).to(wide).view(seqs, -1, self.heads, self.head_dim).transpose(1, 2)
             vv = values.index_select(0, read).to(wide).view(seqs, -1, self.heads, self.head_dim).transpose(1, 2)
             qq = q[a:z].view(seqs, -1, q.shape[1], q.shape[2]).transpose(1, 2).to(wide)
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
             out[a:z] = o.transpose(1, 2).reshape(z - a, q.shape[1], q.shape[2]).to(out.dtype)
         return out
 
