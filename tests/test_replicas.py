@@ -134,10 +134,18 @@ def test_stats_show_every_replica_and_the_requests_each_took(cluster: ReplicasHa
     for i in range(6):
         r = httpx.post(cluster.url + "/generate", json={"prompt": f"count {i}", "max_new_tokens": 2}, timeout=60)
         assert r.status_code == 200
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # the board hears from each replica twice a second
-        stats = replica_stats(cluster)
-        if len(stats) == 2 and all(s["requests_prefilled"] >= 3 for s in stats.values()):
+    def e2e_counts(text: str, stats: dict[str, dict[str, Any]]) -> dict[str, bool]:
+        """Per replica: /metrics counts as many answered requests (vLLM's name) as its /stats."""
+        return {replica: (f'vllm:e2e_request_latency_seconds_count{{engine="{replica}",model_name="{MODEL}"}} '
+                          f'{float(sum(s["finished"].values()))}') in text for replica, s in stats.items()}
+
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:  # the board hears from each replica twice a second: /stats and /metrics
+        stats = replica_stats(cluster)  # are read from it one after the other, so wait until both have heard
+        text = httpx.get(cluster.url + "/metrics", timeout=30).text  # of all 6
+        answered = sum(sum(s["finished"].values()) for s in stats.values())
+        if (len(stats) == 2 and all(s["requests_prefilled"] >= 3 for s in stats.values()) and answered >= 6
+                and all(e2e_counts(text, stats).values())):
             break
         time.sleep(0.2)
     assert len(stats) == 2
@@ -149,13 +157,10 @@ def test_stats_show_every_replica_and_the_requests_each_took(cluster: ReplicasHa
     assert all(s["threads"] == len(s["cores"]) for s in stats.values()), stats
     mine = sorted(os.sched_getaffinity(0))
     assert sorted(tuple(s["cores"]) for s in stats.values()) == sorted(map(tuple, core_groups(mine, 2)))
-    text = httpx.get(cluster.url + "/metrics", timeout=30).text  # every replica's counters, labelled
-    for replica in stats:
+    for replica in stats:  # every replica's counters in /metrics, labelled
         assert f'labserver:replica_requests_prefilled_total{{replica="{replica}"}}' in text
-        # in vLLM's names each replica is an engine (as vLLM labels its data-parallel ranks)
-        answered = sum(stats[replica]["finished"].values())
-        assert (f'vllm:e2e_request_latency_seconds_count{{engine="{replica}",model_name="{MODEL}"}} '
-                f"{float(answered)}") in text
+    assert all(e2e_counts(text, stats).values()), text  # in vLLM's names each replica is an engine (as vLLM labels
+    #   its data-parallel ranks), its answered requests /stats's
     assert 'labserver:replica_running{replica="' in text
 
 
@@ -227,15 +232,21 @@ def test_requests_whose_replica_dies_are_told_to_retry(cluster: ReplicasHandle) 
 
     calls = [(wire.GENERATE_PATH, {"prompt": "doomed", "max_new_tokens": 250}),
              (wire.V1_COMPLETIONS_PATH, {"model": MODEL, "prompt": "doomed too", "max_tokens": 250})]
+    victims = [a for a in ray.util.list_named_actors(all_namespaces=True) if "ReplicaServer" in a["name"]]
+    assert len(victims) == 2, victims
+
+    def live() -> list[dict[str, Any]]:  # (a dead replica's report lingers 5 s)
+        return [s for r, s in replica_stats(cluster).items() if any(r in a["name"] for a in victims)]
+
+    settled(cluster)  # the last test's requests done and reported: what runs from here on is these two
+    taken = sum(s["requests_prefilled"] for s in live())
     threads = [threading.Thread(target=post, args=call) for call in calls]
     for t in threads:
         t.start()
-    victims = [a for a in ray.util.list_named_actors(all_namespaces=True) if "ReplicaServer" in a["name"]]
-    assert len(victims) == 2, victims
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # both generating on a live replica (a dead one's report lingers 5 s)
-        stats = replica_stats(cluster)
-        if sum(s["running"] for r, s in stats.items() if any(r in a["name"] for a in victims)) == 2:
+    while time.monotonic() < deadline:  # both prefilled and generating on a live replica, in one report each
+        stats = live()
+        if sum(s["running"] for s in stats) == 2 and sum(s["requests_prefilled"] for s in stats) == taken + 2:
             break
         time.sleep(0.1)
     else:
