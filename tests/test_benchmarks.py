@@ -245,6 +245,22 @@ def test_peers_smoke_serves_labserver_as_a_process_and_loads_it_every_way(tmp_pa
     assert len(answer["tokens"]) == 4 and answer["prompt_ids"]
 
 
+def test_enginepeers_smoke_times_the_model_alone_and_beside_a_co_runner(tmp_path: Path) -> None:
+    """benchmarks/enginepeers.py on labserver alone: its model's prefill and decode calls, alone and beside a process
+    that spins (vLLM's side needs its venv, which a smoke run never installs)."""
+    run, numbers = smoke("enginepeers.py", tmp_path / "enginepeers.json", timeout=300)
+    (rnd,) = numbers["runs"]["labserver"]
+    assert [r["beside"] for r in rnd] == [False, True] and all(r["whole_s"] > r["prefill_s"] > 0 for r in rnd)
+    assert [r["target"] for r in numbers["rows"]] == ["labserver: tokens/s beside the co-runner / alone"]
+    spinning = []  # the co-runner stopped with the run: no process left running its loop
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            spinning += [cmdline] if b"time.perf_counter() - t < busy" in cmdline.read_bytes() else []
+        except OSError:
+            pass  # (a process that ended while being read)
+    assert not spinning
+
+
 def test_vllms_requirements_are_read_from_its_wheel_less_what_it_never_imports(tmp_path: Path) -> None:
     import zipfile
 
