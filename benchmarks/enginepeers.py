@@ -18,7 +18,7 @@ One process at a time, in rounds whose order turns:
 
 Each engine runs ``--repeats`` times alone, then as many beside a **co-runner**: a process
 that spins ``--busy-ms`` of every ``--busy-ms`` + ``--idle-ms`` (1 of 6.5: about 0.15 of a
-core, what ``peers.py``'s closed-loop client took at 32 streams). Its rows say how much a
+core; ``peers.py``'s closed-loop client took 0.09-0.12 at 32 streams). Its rows say how much a
 neighbour that small costs each engine. Every row is INFO: this explains ``peers.py``'s
 figures and judges nothing.
 """
