@@ -49,7 +49,7 @@ SMOKE = dict(model="gpt2-tiny-random", rounds=1, repeats=1, streams=4, prompt_to
 SPIN = ("import sys, time\nbusy, idle = float(sys.argv[1]) / 1000, float(sys.argv[2]) / 1000\nwhile True:\n"
         "    t = time.perf_counter()\n    while time.perf_counter() - t < busy:\n        pass\n    time.sleep(idle)\n")
 VLLM_SIDE = '''
-import json, os, sys, time
+import json, sys, time
 from vllm import LLM, SamplingParams
 args = json.loads(sys.argv[1])
 def main():
@@ -145,7 +145,7 @@ def theirs(args: argparse.Namespace, neighbour: CoRunner) -> list[dict[str, Any]
             if not line.startswith("RESULT "):
                 continue
             out.append({**json.loads(line[7:]), "beside": len(out) >= args.repeats})
-            if len(out) == args.repeats:  # the next ones beside the co-runner, the last one's end stops it
+            if len(out) == args.repeats:  # the next ones beside the co-runner (stopped when vLLM ends)
                 neighbour.start()
             proc.stdin.write("\n")
             proc.stdin.flush()
@@ -217,9 +217,9 @@ def main() -> int:
     clock, neighbour = RunClock(), CoRunner(args.busy_ms, args.idle_ms)
     numbers: dict[str, Any] = {"machine": machine_info("cpu"), "args": vars(args), "command": " ".join(sys.argv),
                                "runs": {"labserver": []} if args.smoke else {"labserver": [], "vLLM": []}}
+    names = list(numbers["runs"])
     for rnd in range(args.rounds):
-        for who in list(numbers["runs"])[rnd % len(numbers["runs"]):] + list(numbers["runs"])[:rnd % len(
-                numbers["runs"])]:
+        for who in names[rnd % len(names):] + names[:rnd % len(names)]:  # (the order turns each round)
             print(f"round {rnd + 1}/{args.rounds}: {who} ...", file=sys.stderr)
             numbers["runs"][who].append(ours(args, neighbour) if who == "labserver" else theirs(args, neighbour))
     rows = rows_of(numbers, args)
