@@ -154,8 +154,30 @@ def measure(h: labserver.ServerHandle, args: argparse.Namespace, **how: Any) -> 
         "mean_decode_batch": statistics.mean(len(r["seqs"]) for r in decode) if decode else math.nan,
         "idle_share": idle / (useful + idle) if useful + idle else math.nan,  # whole run: rows computed as padding
         "late_fraction": float(result.meta.get("late_fraction", math.nan)), "warnings": result.warnings,
-        **counts(records, answers, result, useful),
+        **counts(records, answers, result, useful), **handovers(steps),
     }
+
+
+def handovers(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Where the model thread waits between two calls of the step log (``CallRecord.model_s``), each a mean in ms
+    over consecutive calls: the call handed over by the loop until the thread begins it (``to_model``), the thread
+    done until the loop resumes (``to_loop``), the loop's own work between its two calls (``loop``: applying
+    what was made, planning the next), and their sum (``model_idle``); ``model_busy``: the thread's share of the
+    time from the first call's start to the last's end. NaN without a model thread's times."""
+    rows = [r for r in steps if r.get("model_s")]
+    pairs = [(a, b) for a, b in zip(rows, rows[1:]) if b["step"] == a["step"] + 1]
+    if not pairs:
+        return {k: math.nan for k in ("model_idle_ms", "to_model_ms", "to_loop_ms", "loop_ms", "model_busy")}
+
+    def mean_ms(f: Any) -> float:
+        return 1000 * statistics.mean(f(a, b) for a, b in pairs)
+
+    wall = rows[-1]["model_s"][1] - rows[0]["model_s"][0]
+    return {"model_idle_ms": mean_ms(lambda a, b: b["model_s"][0] - a["model_s"][1]),
+            "to_model_ms": mean_ms(lambda a, b: b["model_s"][0] - b["start_s"]),
+            "to_loop_ms": mean_ms(lambda a, b: a["end_s"] - a["model_s"][1]),
+            "loop_ms": mean_ms(lambda a, b: b["start_s"] - a["end_s"]),
+            "model_busy": sum(r["model_s"][1] - r["model_s"][0] for r in rows) / wall if wall > 0 else math.nan}
 
 
 def counts(records: Any, answers: Any, result: LoadResult, served_tokens: int) -> dict[str, int]:

@@ -26,6 +26,11 @@ A mean decode call of max_batch sequences is set beside transformers' own GPT-2 
 cache (``DynamicCache``): the median of 30 decode steps of max_batch sequences at the served
 mix's mean context length, the reference for what a step should cost.
 
+From the step log (``CallRecord.model_s``: when the model thread began and ended each call), how long
+the model thread waits between two served calls, and for what: the call handed over until the
+thread begins it, the result handed back until the loop resumes, and the loop's own work in
+between (applying what was made, planning the next call).
+
 Targets: served / offline tokens/s >= 0.95 (median of the rounds, spread printed); the served
 decode call of max_batch <= 0.8x the dense-cache step. ``--smoke`` judges what was measured
 (rows present and finite, the served runs answered without errors, their tokens counted alike
@@ -151,7 +156,7 @@ def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
     check = Checks()
     check.rows(numbers["rows"], ["1 served/offline tokens/s", "2 served decode call", "3 attention ms per token",
                                  "3 matmul ms per token", "3 other ms per token", "4 page faults per s",
-                                 "5 cores: model thread"])
+                                 "5 cores: model thread", "6 model thread idle"])
     check(len(numbers["rounds"]) == args.rounds, f"{len(numbers['rounds'])} rounds recorded of {args.rounds}")
     for i, r in enumerate(numbers["rounds"], 1):
         check_run(check, f"round {i} served", r["served"])
@@ -167,6 +172,12 @@ def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
             check(m.get("cores", {}).get("model thread", 0.0) > 0.2,
                   f"round {i} {where}: the model thread used {m.get('cores', {}).get('model thread', 0.0):.2f} "
                   "cores while measured (it should be busy)")
+        m = r["served"]
+        parts = m["to_model_ms"] + m["to_loop_ms"] + m["loop_ms"]
+        check(m["model_idle_ms"] > 0 and abs(parts - m["model_idle_ms"]) <= 0.01 * m["model_idle_ms"] + 1e-6
+              and 0 < m["model_busy"] < 1,
+              f"round {i} served: the model thread idle {m['model_idle_ms']:.3f} ms a call, its parts add to "
+              f"{parts:.3f}; busy {m['model_busy']:.3f} (from the step log's model_s)")
         check(r["served"]["tokens"] >= r["served"]["tokens_server"] * 0.2,
               f"round {i}: the model chose {r['served']['tokens']} tokens while timed, the server sent "
               f"{r['served']['tokens_server']}")
@@ -237,6 +248,12 @@ def main() -> int:
         a = statistics.median(r["served"]["cores"].get(group, 0.0) for r in rounds)
         b = statistics.median(r["offline"]["cores"].get(group, 0.0) for r in rounds)
         rows.append(row(f"5 cores: {group}, served (offline)", a, "(info)", None, f"offline {b:.2f}"))
+    idle = med("served", "model_idle_ms")
+    rows.append(row("6 model thread idle between calls, served, ms", idle, "(info)", None,
+                    f"busy {med('served', 'model_busy'):.3f} of the time; a call waits "
+                    f"{med('served', 'to_model_ms'):.2f} ms to begin, its result {med('served', 'to_loop_ms'):.2f} ms "
+                    "to reach the loop, which works "
+                    f"{med('served', 'loop_ms'):.2f} ms before handing over the next (its applying and planning)"))
     numbers["rows"] = rows
     numbers["seconds"] = time.perf_counter() - started
 

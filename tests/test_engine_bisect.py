@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -152,3 +153,35 @@ def test_over_http_the_poisoned_request_errs_and_its_batch_mates_finish(stream: 
         again = httpx.post(h.url + wire.V1_COMPLETIONS_PATH, json={"prompt": ["still serving"] * 4, "max_tokens": 4},
                            timeout=30)  # (a batch of four: it leaves at once)
         assert again.status_code == 200 and len(again.json()["choices"]) == 4
+
+
+class Timed(FailsMidStream):
+    """``FailsMidStream`` that also logs when each call began and ended on the thread that ran it."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.times: list[tuple[float, float]] = []
+
+    def forward(self, chunks):  # type: ignore[no-untyped-def]
+        began = time.perf_counter()
+        try:
+            return super().forward(chunks)
+        finally:
+            self.times.append((began, time.perf_counter()))
+
+
+def test_each_record_says_when_the_model_thread_ran_its_call() -> None:
+    """``model_s``: the model thread's own start of the call's first model call and end of its last, inside the
+    loop's start_s..end_s; for a bisected call, all five of its calls inside it."""
+    model = Timed(after=3)
+    _, _, steps = run(model, TEXTS, NEW, "gen-continuous")
+    assert sum(st["calls"] for st in steps) == len(model.times)
+    done = 0
+    for st in steps:
+        mine, done = model.times[done:done + st["calls"]], done + st["calls"]
+        began, ended = st["model_s"]
+        assert st["start_s"] <= began <= mine[0][0] and mine[-1][1] <= ended <= st["end_s"]
+    bisected = next(st for st in steps if st["calls"] > 1)
+    assert bisected["calls"] == 5
+    between = [b["model_s"][0] - a["model_s"][1] for a, b in zip(steps, steps[1:])]
+    assert all(gap > 0 for gap in between)  # one thread, one call at a time

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
@@ -123,6 +124,8 @@ class ModelThread:
         self._jobs: queue.SimpleQueue[tuple[asyncio.Future[Any], Callable[..., Any], tuple[Any, ...]] | None]
         self._jobs = queue.SimpleQueue()
         self._on_death = on_death
+        self.span: tuple[float, float] | None = None  # the last job's start and end on this thread (perf_counter,
+        #   set before its future is settled): how long the model waited for the loop between two calls
         keep_freed_memory()  # a model built without load_model too: no page faults per op (models.cpu says why)
         self._thread = threading.Thread(target=self._run, name="labserver-model", daemon=True)
         self._thread.start()
@@ -141,11 +144,14 @@ class ModelThread:
         try:
             while (job := self._jobs.get()) is not None:
                 fut, fn, args = job
+                began = time.perf_counter()
                 try:
                     result = fn(*args)
                 except Exception as e:  # an ordinary failure: hand it back, keep going
+                    self.span = (began, time.perf_counter())
                     self._loop.call_soon_threadsafe(settle, fut, None, e)
                 else:
+                    self.span = (began, time.perf_counter())
                     self._loop.call_soon_threadsafe(settle, fut, result, None)
                 fut = None
         except BaseException as e:

@@ -245,9 +245,11 @@ class Scheduler:
         return ModelCall(work, chunks, call.decoding, call.preempted, kept) if kept else call
 
     # -- the outcome ------------------------------------------------------------------------
-    def apply(self, plan: ModelCall, outs: Sequence[Any], start_s: float, end_s: float, calls: int = 1) -> None:
+    def apply(self, plan: ModelCall, outs: Sequence[Any], start_s: float, end_s: float, calls: int = 1,
+              model_s: tuple[float, float] | None = None) -> None:
         """What follows from a call's outputs (a token, None for a prompt piece, or an exception per entry);
-        ``calls``: the model calls it took (more than one: it was bisected)."""
+        ``calls``: the model calls it took (more than one: it was bisected); ``model_s``: when the model thread
+        began and ended it (``CallRecord.model_s``)."""
         c = self.counters
         decoding = plan.decoding  # (the rest computed prompt tokens)
         idle, failed = [], []
@@ -304,7 +306,8 @@ class Scheduler:
                                      sum(n for _, n in plan.work), prefilling,
                                      tuple(s.sid for s in plan.preempted), b.used, b.cached, b.free,
                                      tuple(s.sid for s, _ in plan.work if s.sid in decoding), calls,
-                                     tuple(s.sid for s, _ in failed), guessed, accepted, tuple(plan.guesses)))
+                                     tuple(s.sid for s, _ in failed), guessed, accepted, tuple(plan.guesses),
+                                     model_s))
         self._retire()
 
     def _verified(self, seq: Seq, guess: Sequence[int], out: Verified, now: float) -> tuple[int, int]:

@@ -68,6 +68,7 @@ class StepEngine(GenEngine):
                                    self.end, history)
         self.in_flight = self.scheduler.running.seqs  # (the same list) what drain waits for and a dying worker fails
         self._calling = False  # a model call (or a KV write) is under way
+        self._span: tuple[float, float] | None = None  # the last call on the model thread, by its own clock
         self.spec = Speculator(limits) if limits.speculative else None  # (a draft model joins it in ``ready``)
 
     async def ready(self) -> None:
@@ -143,7 +144,7 @@ class StepEngine(GenEngine):
             if call.prefills:
                 self.counters.prefill_calls += calls
             end = self.clock()
-            self.scheduler.apply(call, outs, start, end, calls)
+            self.scheduler.apply(call, outs, start, end, calls, self._span)
             if call.guesses:
                 self.counters.spec_verify_ms += 1000 * (end - start)
                 self.spec.kept_by(s for s, _ in call.work if s.sid in call.guesses)  # type: ignore[union-attr]
@@ -193,6 +194,8 @@ class StepEngine(GenEngine):
         """``bisecting`` driven from the loop, each call awaited on the model thread (a dead worker ends it)."""
         steps = bisecting(call, ModelCall.halves, lambda c: len(c.work))
         part = next(steps)
+        thread = self._thread if self.clock is time.perf_counter else None  # (its spans are on perf_counter)
+        self._span = None
         while True:
             try:
                 outcome: list[Any] | Exception = await self.call(self.model.forward, part.chunks)
@@ -200,6 +203,9 @@ class StepEngine(GenEngine):
                 raise  # the model thread is gone: nothing to retry on
             except Exception as e:
                 outcome = e
+            if thread is not None and thread.span is not None:  # from the thread's own start of the first part
+                first = thread.span[0] if self._span is None else self._span[0]
+                self._span = (first, thread.span[1])  # to the end of the last
             try:
                 part = steps.send(outcome)
             except StopIteration as done:

@@ -41,6 +41,8 @@ class CallRecord:
     guessed: int = 0  # tokens proposed by speculation and verified in this call (labserver.engine.speculation)
     accepted: int = 0  # of those, the ones the model's own choices confirmed (kept)
     verifying: tuple[int, ...] = ()  # among decoding: those whose guesses this call verified
+    model_s: tuple[float, float] | None = None  # on the model thread: when it began the call and when it was done
+    #   (within start_s..end_s; between them and the loop's: the hand-overs. None: no model thread, or a virtual clock)
 
 
 @dataclass
