@@ -146,13 +146,11 @@ class ModelThread:
                 fut, fn, args = job
                 began = time.perf_counter()
                 try:
-                    result = fn(*args)
+                    result, error = fn(*args), None
                 except Exception as e:  # an ordinary failure: hand it back, keep going
-                    self.span = (began, time.perf_counter())
-                    self._loop.call_soon_threadsafe(settle, fut, None, e)
-                else:
-                    self.span = (began, time.perf_counter())
-                    self._loop.call_soon_threadsafe(settle, fut, result, None)
+                    result, error = None, e
+                self.span = (began, time.perf_counter())
+                self._loop.call_soon_threadsafe(settle, fut, result, error)
                 fut = None
         except BaseException as e:
             logger.critical("model thread died", exc_info=e)
