@@ -185,3 +185,45 @@ def test_each_record_says_when_the_model_thread_ran_its_call() -> None:
     assert bisected["calls"] == 5
     between = [b["model_s"][0] - a["model_s"][1] for a, b in zip(steps, steps[1:])]
     assert all(gap > 0 for gap in between)  # one thread, one call at a time
+
+
+class SeesTheNextCall(FailsMidStream):
+    """Its ``release`` notes whether the loop queued the next call behind it while it ran (a release the loop
+    waited for could never see one: nothing is queued until it returns)."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.jobs: Any = None  # the model thread's queue, once the engine has one
+        self.saw_next: list[bool] = []
+
+    def release(self, seq_ids):  # type: ignore[no-untyped-def]
+        deadline = time.perf_counter() + 0.5
+        while self.jobs.empty() and time.perf_counter() < deadline:
+            time.sleep(0.001)
+        self.saw_next.append(not self.jobs.empty())
+        self.inner.release(seq_ids)
+
+
+CLEAN, LENGTHS = TEXTS[:1] + TEXTS[2:] + ["nu xi omicron"], [3, 6, 9, 12]
+
+
+def test_a_release_is_queued_ahead_of_the_next_call_not_waited_for() -> None:
+    """A sequence that leaves while others go on: the model is told before its next call, on its thread, with no
+    round trip of its own (the loop queues the call behind it); the answers are those of a release waited for."""
+    model = SeesTheNextCall()
+
+    async def main() -> list[Seq]:
+        e = StepEngine(make_strategy("gen-continuous", Limits(max_batch_size=4)), model)
+        e.start()
+        model.jobs = e._thread._jobs  # noqa: SLF001 (what the release looks at)
+        try:
+            seqs = [e.submit(model.encode(t), n, ignore_eos=True) for t, n in zip(CLEAN, LENGTHS, strict=True)]
+            await asyncio.wait([s.future for s in seqs])
+            return seqs
+        finally:
+            await e.stop()
+
+    seqs = asyncio.run(main())
+    assert model.saw_next[:3] == [True, True, True]  # the three that left while others were still decoding
+    alone = FailsMidStream()
+    assert [s.tokens for s in seqs] == [generate_alone(alone, alone.encode(t), n) for t, n in zip(CLEAN, LENGTHS)]

@@ -231,6 +231,48 @@ def test_a_dying_model_thread_reports_its_death_before_it_fails_the_call() -> No
     loop.close()
 
 
+
+def test_jobs_queued_behind_a_dying_call_fail_with_it_and_later_ones_at_once() -> None:
+    # a release is handed over unawaited, with the next call queued behind it: if the thread dies on the first,
+    # the call behind must fail too, not wait for a thread that is gone; a call made afterwards fails at once
+    from labserver.engine.modelthread import ModelThread, WorkerDied
+
+    async def main() -> None:
+        go = threading.Event()
+        thread = ModelThread(asyncio.get_running_loop(), lambda err: None)
+
+        def crash() -> None:
+            go.wait(10)  # (the second job is queued behind it before it dies)
+            raise SystemExit("simulated hard fault")
+
+        first, second = thread.submit(crash), thread.submit(lambda: "never run")
+        go.set()
+        for fut in (first, second):
+            with pytest.raises(WorkerDied):
+                await asyncio.wait_for(fut, 10)
+        later = thread.submit(lambda: "never run")
+        assert later.done() and isinstance(later.exception(), WorkerDied)
+
+    asyncio.run(main())
+
+
+def test_a_call_handed_over_is_begun_before_the_loop_goes_on() -> None:
+    # ``taken_s``: the loop waits (GIL released) until the thread has taken the call, so that its own work after
+    # the hand-over does not hold the core the thread needs to begin
+    from labserver.engine.modelthread import ModelThread
+
+    async def main() -> None:
+        thread = ModelThread(asyncio.get_running_loop(), lambda err: None)
+        began: list[float] = []
+        for _ in range(20):
+            fut = thread.submit(lambda: began.append(time.perf_counter()), taken_s=5.0)
+            returned = time.perf_counter()
+            assert began and began[-1] <= returned
+            await fut
+        thread.stop()
+
+    asyncio.run(main())
+
 # -- inline strategies keep answering between model calls --------------------------------------
 
 @pytest.mark.parametrize("strategy", INLINE)

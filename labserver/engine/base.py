@@ -288,10 +288,11 @@ class EngineBase:
         for item in items:
             self.end(item, reason, error)
 
-    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run fn on the model thread (inline when there is none: the model on the loop, or a virtual clock)."""
+    async def call(self, fn: Callable[..., Any], *args: Any, taken_s: float = 0.0) -> Any:
+        """Run fn on the model thread (inline when there is none: the model on the loop, or a virtual clock);
+        ``taken_s``: wait at most that long for the thread to take it first (``ModelThread.submit``)."""
         if self._thread is not None:
-            return await self._thread.submit(fn, *args)
+            return await self._thread.submit(fn, *args, taken_s=taken_s)
         return fn(*args)
 
     # -- the door and the dispatch -------------------------------------------------------
