@@ -143,11 +143,11 @@ class ModelThread:
         """``fn(*args)`` queued for the thread; its future settles on the loop.
 
         ``taken_s``: the caller waits, at most that long, until the thread has taken the job. On a
-        machine with as many cores as the model's threads, the loop's own work right after a hand-over
-        (the tokens just made, written to their streams) holds the core the woken thread needs: a
-        served call then began ~1 ms late, ~2 % of a decode call of 32 on 2 cores (``servedperf.py``'s
-        row 6). Waiting with the GIL released lets the thread have the core first; the loop's work
-        then runs beside the call instead of before it.
+        machine with as many cores as the model has threads, the loop's own work right after a
+        hand-over (the tokens just made, written to their streams) and the client's reading them
+        took the cores the woken thread needed: a served call of 32 on 2 cores began 1.1-1.5 ms
+        late, ~2.5 % of the call (``servedperf.py``'s row 6). Waiting with the GIL released lets
+        the thread have a core first; the loop's work then runs beside the call, not before it.
         """
         fut = self._loop.create_future()
         if self._died is not None:  # nobody would take it
