@@ -47,8 +47,8 @@ __all__ = ["LlamaGen"]
 def _rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     """RMSNorm as transformers computes it: in float32, the weight applied in the input's dtype."""
     eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
-    if x.dtype == torch.float32:  # (the same numbers, two no-op casts fewer: a decode step runs this 61 times)
-        return norm.weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+    if x.dtype == torch.float32 == norm.weight.dtype:  # one op: the same numbers as the weight's product after it
+        return F.rms_norm(x, (x.shape[-1],), weight=norm.weight, eps=eps)  # (61 times a decode step)
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
