@@ -103,6 +103,25 @@ def test_a_cached_prefix_is_read_and_matches_transformers(family: str, models: d
     t.decode([1, 2])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_decode_group_all_as_long_is_attended_without_a_mask(family: str, models: dict[str, PagedLM]) -> None:
+    """Sequences decoding at one length need no mask (each one's keys are all its own, no padding); one a position
+    shorter in the group brings the mask back. Every row matches transformers either way."""
+    model = models[family]
+    t = Tracker(model)
+    a = ids_of(model, "the quick brown fox jumps over the lazy dog")
+    t.add(1, a)
+    t.add(2, a[::-1])  # as long, other tokens
+    t.add(3, a[:-1])  # a position shorter: padded to the others' length in their group
+    t.run([(1, None), (2, None), (3, None)])
+    level, ragged = model.kv.plan([t.chunk(1), t.chunk(2)]), model.kv.plan([t.chunk(1), t.chunk(2), t.chunk(3)])
+    assert [len(g[0]) for g in level.decodes] == [2] and level.decodes[0][3] is None
+    assert [len(g[0]) for g in ragged.decodes] == [3] and ragged.decodes[0][3] is not None
+    t.decode([1, 2])
+    t.decode([1, 2, 3])
+    t.decode([2, 1])
+
+
 def served(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     r = httpx.post(url + path, json=body, timeout=60)
     assert r.status_code == 200, r.text
