@@ -11,13 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import labserver
 from labserver import wire
 from labserver.models import ModelLoadError, load_model
 from labserver.models.base import Chunk
 from labserver.models.gpt2 import gpt2_random
+from labserver.models import kvcache
 from labserver.models.graphs import use_cuda_graphs
+from labserver.models.kvcache import PagedKV, in_place
 
 from .test_models_gpt2 import Tracker, prompt
 
@@ -99,12 +102,41 @@ def test_the_flag_reaches_the_limits() -> None:
     assert not limits_from(parse(["serve", "--strategy", "gen-continuous"])).cuda_graphs
 
 
-def test_compiled_steps_of_one_sequence_and_of_several_equal_the_eager_steps(folders: dict[str, Path]) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_in_place_equals_the_copy_and_sdpa(dtype: torch.dtype) -> None:
+    """``kvcache.in_place`` (a compiled batch's attention: the slots read where they lie) beside the eager path's
+    copy and SDPA, called eagerly: sequences of unlike lengths padded and masked, three query heads to a KV head, a
+    float16 pool attended in float32; a wrong mask, scale or grouping of heads is off by far more than the sums'
+    order."""
+    torch.manual_seed(0)
+    kv = PagedKV(layers=1, heads=3, head_dim=64, device=torch.device("cpu"), dtype=dtype)
+    kv.allocate(64, 16)
+    kv.k[0].copy_(torch.randn_like(kv.k[0], dtype=torch.float32))
+    kv.v[0].copy_(torch.randn_like(kv.v[0], dtype=torch.float32))
+    lengths, longest = [40, 33, 17, 40, 38], 40
+    slots = torch.randperm(64 * 16)[:len(lengths) * longest].view(len(lengths), longest)
+    mine = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]
+    slots = torch.where(mine, slots, slots[:, :1])  # (padding: each one's first slot, masked out)
+    q = torch.randn(len(lengths), 9, 64).to(dtype)
+    with torch.inference_mode():
+        want = kv._decode(kv.k[0], kv.v[0], q, slots.flatten(), longest, mine[:, None, None, :], gqa=True)
+        got = in_place(kv.k[0], kv.v[0], q.float(), slots, mine, kv_heads=3).to(dtype)
+    assert got.shape == want.shape == q.shape
+    torch.testing.assert_close(got, want, atol=2e-6 if dtype == torch.float32 else 1e-3, rtol=1e-5)
+    assert not torch.allclose(in_place(kv.k[0], kv.v[0], q.float(), slots, torch.ones_like(mine), 3).to(dtype),
+                              want, atol=1e-2)  # (the mask matters here: a test that could fail)
+
+
+def test_compiled_steps_of_one_sequence_and_of_several_equal_the_eager_steps(folders: dict[str, Path],
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.compile of the decode steps (``--compile``), served: one sequence's step and a batch's, each compiled
-    once while the model loads; the same greedy tokens as the eager path, for one request and for two prompts of
-    different lengths decoding side by side (their positions padded and masked); the pool's new size costs no
-    second compile."""
+    once while the model loads (the batch's attention in place: ``kvcache.in_place``); the same greedy tokens as the
+    eager path, for one request and for two prompts of different lengths decoding side by side (their positions
+    padded and masked); the pool's new size costs no second compile."""
     import httpx
+
+    traced: list[int] = []  # (in_place runs in Python only while torch traces the step: once per compile)
+    monkeypatch.setattr(kvcache, "in_place", lambda *a, **k: traced.append(1) or in_place(*a, **k))
 
     body = {"prompt": "the cat sat on the mat", "max_new_tokens": 40, "ignore_eos": True}
     two = {"prompt": ["the cat sat on the mat", "a dog"], "max_tokens": 24, "temperature": 0,
@@ -122,6 +154,7 @@ def test_compiled_steps_of_one_sequence_and_of_several_equal_the_eager_steps(fol
     with labserver.serve("gen-continuous", compiled, device="cpu", compile=True) as h:  # (compiled while loading)
         steps = compiled.graphs
         assert steps.replays == 0  # (both compiled over the scratch slot, before any request)
+        assert traced  # (the batch's step traced through in_place: its attention reads the pool in place)
         assert httpx.post(h.url + "/generate", json=body, timeout=60).json()["tokens"] == want
         assert steps.replays == 39 and steps.batched == 0  # every decode step of one sequence went through the
         #   compiled code
