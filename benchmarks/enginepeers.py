@@ -1,6 +1,6 @@
 """labserver's model beside vLLM's engine with no server in front: the same float32 weights, prompts and cores.
 
-    python benchmarks/enginepeers.py --out results/enginepeers/cpu.json        # ~6 min on 2 cores
+    python benchmarks/enginepeers.py --out results/enginepeers/cpu.json        # ~10 min on 2 cores
     python benchmarks/enginepeers.py --smoke --out /tmp/enginepeers.json       # labserver alone, gpt2-tiny-random
 
 ``peers.py`` measures the two servers under load; this takes the HTTP, the queue and the
@@ -10,7 +10,9 @@ One process at a time, in rounds whose order turns:
 - **labserver**: its model's calls (``PagedLM.forward``, as ``genperf.offline_engine`` makes
   them: no scheduler), on a thread that ends with them (as a server's model thread): the
   ``--streams`` prompts of ``--prompt-tokens`` random token ids in one call, then
-  ``--answer-tokens`` decode calls of every sequence;
+  ``--answer-tokens`` decode calls of every sequence; eagerly (the default) and, as
+  **labserver --compile**, with its decode calls compiled as ``--compile`` serves them
+  (``labserver.models.graphs.CompiledDecode``, compiled before the first measurement);
 - **vLLM**: ``LLM.generate`` on the same folder (its whole engine in one process: scheduler,
   model, sampler), the same token-id prompts, greedy, ``ignore_eos``: once for one token (the
   prefill) and once for ``--answer-tokens`` + 1, fresh prompts each time (no prefix cache hit);
@@ -44,6 +46,7 @@ from labserver.models import Chunk, load_model, smollm2
 from labserver.models.cpu import on_fresh_thread
 
 ROOT = Path(__file__).resolve().parents[1]
+OURS, COMPILED = "labserver", "labserver --compile"
 FULL = dict(model="smollm2", rounds=2, repeats=3, streams=32, prompt_tokens=32, answer_tokens=64)
 SMOKE = dict(model="gpt2-tiny-random", rounds=1, repeats=1, streams=4, prompt_tokens=8, answer_tokens=4)
 SPIN = ("import sys, time\nbusy, idle = float(sys.argv[1]) / 1000, float(sys.argv[2]) / 1000\nwhile True:\n"
@@ -93,8 +96,9 @@ def prompt_sets(args: argparse.Namespace, count: int, vocab: int) -> list[list[l
             for _ in range(count)]
 
 
-def ours(args: argparse.Namespace, neighbour: CoRunner) -> list[dict[str, Any]]:
-    """Our model's calls, ``--repeats`` alone then as many beside the co-runner: prefill and decode seconds each."""
+def ours(args: argparse.Namespace, neighbour: CoRunner, compiled: bool = False) -> list[dict[str, Any]]:
+    """Our model's calls, ``--repeats`` alone then as many beside the co-runner: prefill and decode seconds each;
+    ``compiled``: its decode calls through ``torch.compile``, as ``--compile`` serves them."""
     gen = load_model(args.model, device="cpu", kind="generate")
     per_seq = (args.prompt_tokens + args.answer_tokens) // 16 + 2
     gen.allocate_kv(args.streams * per_seq, 16)
@@ -116,6 +120,10 @@ def ours(args: argparse.Namespace, neighbour: CoRunner) -> list[dict[str, Any]]:
         return {"prefill_s": prefill, "whole_s": whole}
 
     def run() -> list[dict[str, Any]]:
+        if compiled:  # (on this thread, as the server makes them on the thread that runs them: models.cpu)
+            from labserver.models.graphs import use_compiled
+
+            use_compiled(gen).warm()
         once()  # (warm)
         out = []
         for beside in (False, True):
@@ -172,11 +180,11 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
         for beside in (False, True):
             m[who, beside] = summary([r for rnd in numbers["runs"][who] for r in rnd if r["beside"] == beside], args)
     where = f"{args.streams} prompts of {args.prompt_tokens} tokens, {args.answer_tokens} decode steps"
-    if ("vLLM", False) in m:
+    for ours_ in (w for w in (OURS, COMPILED) if ("vLLM", False) in m and (w, False) in m):
         for key, what in (("tps", "output tokens/s"), ("step_ms", "decode step ms"), ("prefill_ms", "prefill ms")):
             for beside in (False, True):
-                a, b = m["labserver", beside][key], m["vLLM", beside][key]
-                rows.append(row(f"labserver model / vLLM engine, {what}{', beside the co-runner' if beside else ''}",
+                a, b = m[ours_, beside][key], m["vLLM", beside][key]
+                rows.append(row(f"{ours_} model / vLLM engine, {what}{', beside the co-runner' if beside else ''}",
                                 per(a, b), "(info)", None, f"{a:.1f} vs {b:.1f}; {where}"))
     for who in numbers["runs"]:
         a, b = m[who, True]["tps"], m[who, False]["tps"]
@@ -190,8 +198,8 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
 
 def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
     check = Checks()
-    check(list(numbers["runs"]) == ["labserver"], "labserver alone")
-    for rnd in numbers["runs"]["labserver"]:
+    check(list(numbers["runs"]) == [OURS], "labserver alone")
+    for rnd in numbers["runs"][OURS]:
         check(len(rnd) == 2 * args.repeats, f"{len(rnd)} runs of {2 * args.repeats}")
         for r in rnd:
             check.positive(r["prefill_s"], "prefill seconds")
@@ -216,16 +224,18 @@ def main() -> int:
             setattr(args, key, value)
     clock, neighbour = RunClock(), CoRunner(args.busy_ms, args.idle_ms)
     numbers: dict[str, Any] = {"machine": machine_info("cpu"), "args": vars(args), "command": " ".join(sys.argv),
-                               "runs": {"labserver": []} if args.smoke else {"labserver": [], "vLLM": []}}
+                               "runs": {OURS: []} if args.smoke else {OURS: [], COMPILED: [], "vLLM": []}}
     names = list(numbers["runs"])
     for rnd in range(args.rounds):
         for who in names[rnd % len(names):] + names[:rnd % len(names)]:  # (the order turns each round)
             print(f"round {rnd + 1}/{args.rounds}: {who} ...", file=sys.stderr)
-            numbers["runs"][who].append(ours(args, neighbour) if who == "labserver" else theirs(args, neighbour))
+            numbers["runs"][who].append(theirs(args, neighbour) if who == "vLLM" else
+                                        ours(args, neighbour, compiled=who == COMPILED))
     rows = rows_of(numbers, args)
     numbers["rows"] = rows
     footer = clock.line() + "\n" + (
-        "labserver: its model's calls with no scheduler (prefill, then one decode call a step); vLLM: LLM.generate, "
+        "labserver: its model's calls with no scheduler (prefill, then one decode call a step), eager and with its "
+        "decode calls compiled (--compile); vLLM: LLM.generate, "
         "its whole engine offline. Both float32 on the same converted folder, the same random token-id prompts, "
         "greedy; tokens/s counts every answer token over the prefill and the decode steps. The co-runner is a "
         "process of its own that spins and sleeps, as a load generator's client does.")

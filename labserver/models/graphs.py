@@ -135,9 +135,9 @@ class CompiledDecode:
     - *a batch* of 2 to ``GROUP`` sequences, each one token: the projections stay oneDNN's
       calls (several rows are matmuls, which oneDNN does well), and everything between them is
       fused; the sequences' positions are padded to the longest and masked, as the eager path's
-      decode group is. Its sizes (sequences, positions) are dynamic, so one compile serves every
-      batch; served at 32 streams on smollm2 it read 1.03-1.05x the eager server's tokens/s
-      (``docs/models.md``).
+      decode group is, and attended where they lie in the pool (``kvcache.in_place``: no copy of
+      K and V; a decode call of 32 on smollm2 ~0.88x its time with the copy, 2 cores). Its sizes
+      (sequences, positions) are dynamic, so one compile serves every batch (``docs/models.md``).
 
     Its shapes are dynamic (positions, the pool's slots, the batch), so each compile serves
     every such step. Compiled code is cached by torch (``TORCHINDUCTOR_CACHE_DIR``, by default
