@@ -15,10 +15,9 @@ import torch
 
 import labserver
 from labserver import wire
-from labserver.models import ModelLoadError, load_model
+from labserver.models import ModelLoadError, kvcache, load_model
 from labserver.models.base import Chunk
 from labserver.models.gpt2 import gpt2_random
-from labserver.models import kvcache
 from labserver.models.graphs import use_cuda_graphs
 from labserver.models.kvcache import PagedKV, in_place
 
