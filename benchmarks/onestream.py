@@ -163,8 +163,10 @@ def step_rows(gens: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     return {"machine": m, "steps": steps}
 
 
-def streams(gens: dict[str, Any], exe: Path | None, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    """Part 3: per stream count, every server once per round, their order turning."""
+def streams(gens: dict[str, Any], exe: Path | None, args: argparse.Namespace,
+            peer: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Part 3: per stream count, every server once per round, their order turning; a peer that will not start here
+    left out from then on, its error in ``peer`` (``realmodel.against_peer``)."""
     runs: dict[str, list[dict[str, Any]]] = {}
     texts = realmodel.prompts(args)
     who = [*gens, *([PEER] if exe is not None else [])]
@@ -173,11 +175,18 @@ def streams(gens: dict[str, Any], exe: Path | None, args: argparse.Namespace) ->
         for n in (int(x) for x in args.streams.split(",")):
             r: dict[str, Any] = {}
             for name in order:
+                if name == PEER and exe is None:
+                    continue
                 print(f"round {i + 1}/{args.rounds}: {name}, {n} streams ...", file=sys.stderr)
-                r[name] = realmodel.guarded(
-                    f"{name}, {n} streams", lambda: realmodel.run_peer(exe, n, texts, args, args.first)
-                    if name == PEER else realmodel.run_ours(gens[name], n, texts, args),
-                    lambda m: m["cores"]["rest"], args)
+                try:
+                    r[name] = realmodel.guarded(
+                        f"{name}, {n} streams", lambda: realmodel.run_peer(exe, n, texts, args, args.first)
+                        if name == PEER else realmodel.run_ours(gens[name], n, texts, args),
+                        lambda m: m["cores"]["rest"], args)
+                except PeerUnavailable as e:
+                    peer["error"], exe = str(e), None
+                    print(f"SKIP llama-server: {e}", file=sys.stderr)
+                    continue
                 print(f"  {r[name]['tps']:.1f} tokens/s", file=sys.stderr)
             runs.setdefault(str(n), []).append(r)
     return runs
@@ -311,7 +320,7 @@ def main() -> int:
     numbers["second_start_s"] = {name: second_start(name) for name in COMPILE_S}
     numbers["roofline"] = step_rows(gens, args)
     numbers["exact"] = exactness(gens, args)
-    numbers["streams"] = streams(gens, exe, args)
+    numbers["streams"] = streams(gens, exe, args, numbers["peer"])
     rows = rows_of(numbers, args)
     numbers["rows"] = rows
     numbers["seconds"] = time.perf_counter() - started

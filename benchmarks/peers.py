@@ -4,9 +4,9 @@
     python benchmarks/peers.py --smoke --out /tmp/peers.json       # gpt2-tiny-random, labserver alone, ~2 min
 
 The servers, each a process of its own started and stopped here, never two at once:
-labserver (``labserver serve --strategy gen-continuous``, float32, the default), the same with
-``--compile`` (its decode steps compiled, ``labserver.models.graphs.CompiledDecode``: parts 1, 2
-and 4 only), vLLM 0.32's CPU build (``labserver.experiments.peers.vllm_python``: its own venv, float32, on every
+labserver (``labserver serve --strategy gen-continuous``, float32, the default: its decode steps
+compiled where they can be, ``--compile auto``, ``labserver.models.graphs.CompiledDecode``), the
+same eager (``--compile off``: parts 1, 2 and 4 only), vLLM 0.32's CPU build (``labserver.experiments.peers.vllm_python``: its own venv, float32, on every
 core) and ``llama-server`` (built once, on the GGUF's Q4_1 blocks). labserver and vLLM load
 the same converted folder; llama-server the GGUF it came from. One run, in rounds whose
 order turns (round 1: vLLM first, whose saturation sets the open-loop rates):
@@ -34,8 +34,8 @@ order turns (round 1: vLLM first, whose saturation sets the open-loop rates):
 7. **the engine's own steps** (once, first, before any server runs): the model's decode
    step of one sequence against its memory floor (the bytes a step reads over this machine's
    read bandwidth, measured here as ``benchmarks/roofline.py`` measures it: a plain sum over
-   1 GiB, the median of the rounds), as ``--compile`` runs it (compiled here, its seconds
-   printed) and eagerly (the default), and its decode call of 16 against transformers' own
+   1 GiB, the median of the rounds), as the default runs it (compiled here, its seconds
+   printed) and eagerly (``--compile off``), and its decode call of 16 against transformers' own
    dense-cache step, all at ``--context`` tokens.
 
 ``--smoke``: labserver alone on gpt2-tiny-random, parts 1-3, judged on what was measured.
@@ -73,10 +73,11 @@ from labserver.models.graphs import use_compiled
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks" / ".peers"
-OURS, COMPILED, VLLM, LLAMA = "labserver", "labserver --compile", "vLLM", "llama-server"
+OURS, EAGER, VLLM, LLAMA = "labserver", "labserver --compile off", "vLLM", "llama-server"
+FLAGS = {OURS: [], EAGER: ["--compile", "off"]}  # (the default compiles its decode steps where it can)
 FULL = dict(model="smollm2", rounds=2, warmup=10.0, duration=30.0, streams="1,16,32", answer_tokens=64,
             one_stream_tokens=128, prompt_tokens=32, quiet_wait=120.0, max_rest=0.6, open_requests=300,
-            exact_questions=16, exact_tokens=64, servers=f"{OURS},{COMPILED},{VLLM},{LLAMA}", context=128, batch=16)
+            exact_questions=16, exact_tokens=64, servers=f"{OURS},{EAGER},{VLLM},{LLAMA}", context=128, batch=16)
 SMOKE = dict(model="gpt2-tiny-random", rounds=1, warmup=0.5, duration=2.0, streams="1,4", answer_tokens=16,
              one_stream_tokens=16, prompt_tokens=16, quiet_wait=0.0, max_rest=math.inf, open_requests=40,
              exact_questions=2, exact_tokens=8, servers=OURS, context=32, batch=4)
@@ -99,11 +100,11 @@ def serving(who: str, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     port = peers.free_port()
     url = f"http://127.0.0.1:{port}"
     env = None
-    if who in (OURS, COMPILED):
+    if who in FLAGS:
         cmd = [sys.executable, "-m", "labserver.cli", "serve", "--strategy", "gen-continuous", "--model", args.model,
                "--port", str(port), "--max-batch", "32", "--max-new-tokens", "1024", "--log-level", "warning",
-               *(["--compile"] if who == COMPILED else [])]
-        name, log = args.model, PEERS / f"labserver-peers{'-compile' if who == COMPILED else ''}.log"
+               *FLAGS[who]]
+        name, log = args.model, PEERS / f"labserver-peers{'-eager' if who == EAGER else ''}.log"
     elif who == VLLM:
         python = peers.vllm_python(PEERS, install=not args.smoke)
         cmd, env = peers.vllm_cmd(python, folder(args), port, served_name=args.model), peers.vllm_env()
@@ -116,9 +117,10 @@ def serving(who: str, args: argparse.Namespace) -> Iterator[dict[str, Any]]:
     t0 = time.perf_counter()
     with peers.running(cmd, url + "/health", log, timeout_s=1800, env=env, cwd=ROOT) as proc:
         started = time.perf_counter() - t0
+        mine = httpx.get(url + "/stats", timeout=30).json() if who in FLAGS else {}  # (how its decode steps run)
         print(f"{who} ready in {started:.1f} s", file=sys.stderr)
         yield {"url": url, "model": name, "pid": proc.pid, "start_s": started, "compile_cache": cached,
-               "command": " ".join(cmd)}
+               "command": " ".join(cmd), "decode": mine.get("decode"), "compile_s": mine.get("compile_s")}
 
 
 # -- the parts --------------------------------------------------------------------------------------------------
@@ -213,7 +215,8 @@ def run_server(who: str, rnd: int, numbers: dict[str, Any], texts: list[str], ar
     """Everything one server does in one round."""
     first = rnd == 0
     with serving(who, args) as server:
-        numbers["start"].setdefault(who, []).append({k: server[k] for k in ("start_s", "compile_cache", "command")})
+        numbers["start"].setdefault(who, []).append({k: server[k] for k in ("start_s", "compile_cache", "command",
+                                                                            "decode", "compile_s")})
         realmodel.warm(server["url"], server["model"], texts)
         for n in (int(x) for x in args.streams.split(",")):
             print(f"round {rnd + 1}/{args.rounds}: {who}, {n} streams ...", file=sys.stderr)
@@ -222,10 +225,10 @@ def run_server(who: str, rnd: int, numbers: dict[str, Any], texts: list[str], ar
             print(f"  {m['tps']:.1f} tokens/s ({m['errors']} errors)", file=sys.stderr)
         if not first:
             return
-        if who == COMPILED:  # (its greedy answers; the open loop and the clients' checks are the eager server's)
+        if who == EAGER:  # (its greedy answers; the open loop and the clients' checks are the default server's)
             numbers["answers"][who] = answers(server, numbers["exact_prompts"], args)
             if VLLM in numbers["answers"]:
-                numbers["parted_compiled"] = parted(server, numbers["answers"][who], numbers["answers"][VLLM])
+                numbers["parted_eager"] = parted(server, numbers["answers"][who], numbers["answers"][VLLM])
             return
         if who == VLLM or (VLLM not in args.servers and who == OURS):  # the open loop's rates: its saturation
             numbers["saturation_rps"] = numbers["streams"][args.streams.split(",")[-1]][who][0]["tps"] / \
@@ -286,12 +289,12 @@ def engine_rows(m: dict[str, Any], args: argparse.Namespace) -> list[dict[str, A
     call, dense = m[f"call_{args.batch}_ms"], m["dense_ms"]
     eager = statistics.median(m["eager_1_ms"])
     return [row(f"roofline: {args.model} decode step of 1 / its memory floor", per(m["step_1_ms"], floor), "<= 1.5",
-                m["step_1_ms"] <= 1.5 * floor, f"--compile: {m['step_1_ms']:.2f} vs {floor:.2f} ms "
+                m["step_1_ms"] <= 1.5 * floor, f"compiled (the default): {m['step_1_ms']:.2f} vs {floor:.2f} ms "
                 f"({m['bytes_1'] / 1e6:.0f} MB at {bw:.1f} GB/s: a sum over 1 GiB, the median of "
                 f"{len(m['bandwidth_gb_s'])} rounds, which read {min(m['bandwidth_gb_s']):.1f} to "
                 f"{max(m['bandwidth_gb_s']):.1f}), at a context of {args.context}; compiled in {m['compile_s']:.0f} s"),
             row(f"roofline: {args.model} eager decode step of 1 / its memory floor", per(eager, floor), "(info)",
-                None, f"the default (no --compile): {eager:.2f} vs {floor:.2f} ms, the median of "
+                None, f"--compile off: {eager:.2f} vs {floor:.2f} ms, the median of "
                 f"{len(m['eager_1_ms'])} turns ({', '.join(f'{v:.2f}' for v in m['eager_1_ms'])}); compiled / eager "
                 f"{m['step_1_ms'] / eager:.3f}"),
             row(f"decode call of {args.batch}: labserver {args.model} / transformers' dense-cache step",
@@ -303,16 +306,16 @@ def engine_rows(m: dict[str, Any], args: argparse.Namespace) -> list[dict[str, A
 
 def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = engine_rows(numbers["engine"], args) if numbers.get("engine") else []
-    ran = [w for w in (OURS, COMPILED, VLLM, LLAMA) if w in numbers["start"]]
+    ran = [w for w in (OURS, EAGER, VLLM, LLAMA) if w in numbers["start"]]
     for n, by in numbers["streams"].items():
         label = f"{n} stream{'s' if n != '1' else ''}:"
-        for ours, peer, goal in ((OURS, VLLM, 1.0), (COMPILED, VLLM, 1.0), (OURS, LLAMA, None)):
+        for ours, peer, goal in ((OURS, VLLM, 1.0), (EAGER, VLLM, None), (OURS, LLAMA, None)):
             if peer not in by or ours not in by:
                 continue
             per_round = [per(a["tps"], b["tps"]) for a, b in zip(by[ours], by[peer], strict=False)]
             ratio = statistics.median(per_round)
             a, b = (statistics.median(m["tps"] for m in by[w]) for w in (ours, peer))
-            name = f"{args.model}{' --compile' if ours == COMPILED else ''}"
+            name = f"{args.model}{' --compile off' if ours == EAGER else ''}"
             rows.append(row(f"{label} labserver {name} / {peer} output tokens/s", ratio,
                             "(info)" if goal is None else f">= {goal:g}", None if goal is None else ratio >= goal,
                             f"{a:.4g} vs {b:.4g} tokens/s; rounds " + ", ".join(f"{x:.3f}" for x in per_round)))
@@ -328,13 +331,13 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
                         None, rest))
         rows.append(row(f"{where} labserver / vLLM ITL p99", per(a["itl_p99_ms"], b["itl_p99_ms"]), "(info)", None,
                         f"{a['itl_p99_ms']:.0f} vs {b['itl_p99_ms']:.0f} ms"))
-    for ours, key in ((OURS, "parted"), (COMPILED, "parted_compiled")):
+    for ours, key in ((OURS, "parted"), (EAGER, "parted_eager")):
         if ours not in numbers["answers"] or VLLM not in numbers["answers"]:
             continue
         total, split = len(numbers["answers"][ours]), numbers.get(key, [])
         ties = [p for p in split if p["gap"] <= NEAR_TIE]
         ok = len(split) == len(ties) and len(split) <= 2
-        name = f"{args.model}{' --compile' if ours == COMPILED else ''}"
+        name = f"{args.model}{' --compile off' if ours == EAGER else ''}"
         rows.append(row(f"exact: labserver {name} greedy texts equal vLLM's", total - len(split),
                         f"{total} (ties)", ok, f"{total - len(split)} of {total} answers of {args.exact_tokens} tokens "
                         "equal, float32 on both; parted at " + (", ".join(
@@ -343,9 +346,13 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
     for who in ran:
         starts = [s["start_s"] for s in numbers["start"][who]]
         how = {VLLM: " (from this machine's compile cache)" if numbers["start"][who][0]["compile_cache"]
-               else " (the first: compiling)", OURS: " (the converted folder cached)", LLAMA: "",
-               COMPILED: " (the converted folder cached; its decode steps compiled, or read from torch's cache where "
-               "an earlier start or part 7 left them)"}[who]
+               else " (the first: compiling)", EAGER: " (the converted folder cached)", LLAMA: "",
+               OURS: " (the converted folder cached; compiled code read from torch's cache where an earlier start "
+               "or part 7 left it)"}[who]
+        decode = sorted({str(s.get("decode")) for s in numbers["start"][who]} - {"None"})
+        compiles = [f"{s['compile_s']:.1f}" for s in numbers["start"][who] if s.get("compile_s") is not None]
+        how += (f"; decode steps {', '.join(decode)}" if decode else "") + \
+            (f" (compiles {', '.join(compiles)} s)" if compiles else "")
         rows.append(row(f"start: {who} seconds to /health 200", statistics.median(starts), "(info)", None,
                         "starts " + ", ".join(f"{s:.1f}" for s in starts) + how))
     bench = numbers.get("bench_serve")
@@ -421,7 +428,7 @@ def main() -> int:
     numbers["exact_prompts"] = chat_prompts(args)
     if "engine" not in args.skip:
         numbers["engine"] = engine(args)
-    who = [w for w in (VLLM, OURS, COMPILED, LLAMA) if w in args.servers]  # round 1: vLLM first (its saturation:
+    who = [w for w in (VLLM, OURS, EAGER, LLAMA) if w in args.servers]  # round 1: vLLM first (its saturation:
     #   the rates)
     for rnd in range(args.rounds):
         for name in who[rnd % len(who):] + who[:rnd % len(who)]:

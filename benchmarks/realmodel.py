@@ -207,8 +207,11 @@ def run_peer(exe: Path, users: int, texts: list[str], args: argparse.Namespace, 
     return {**m, "tokens_server": None, "command": " ".join(cmd)}  # (it keeps no count labserver's way)
 
 
-def against_peer(gen: Any, exe: Path | None, args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
-    """Part 3: per stream count, one run of each server per round, their order alternating."""
+def against_peer(gen: Any, exe: Path | None, args: argparse.Namespace,
+                 peer: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Part 3: per stream count, one run of each server per round, their order alternating. A peer that is built
+    but will not start here (say, built for another CPU's instructions: SIGILL) is left out from then on, its
+    error in ``peer``."""
     runs: dict[str, list[dict[str, Any]]] = {}
     streams, texts = [int(n) for n in args.streams.split(",")], prompts(args)
     for i in range(args.rounds):
@@ -219,8 +222,14 @@ def against_peer(gen: Any, exe: Path | None, args: argparse.Namespace) -> dict[s
                 print(f"round {i + 1}/{args.rounds}: {who}, {n} streams ...", file=sys.stderr)
                 if who == PEER and exe is None:
                     continue
-                r[who] = guarded(f"{who}, {n} streams", lambda: run_peer(exe, n, texts, args, gen.name)
-                                 if who == PEER else run_ours(gen, n, texts, args), lambda m: m["cores"]["rest"], args)
+                try:
+                    r[who] = guarded(f"{who}, {n} streams", lambda: run_peer(exe, n, texts, args, gen.name)
+                                     if who == PEER else run_ours(gen, n, texts, args), lambda m: m["cores"]["rest"],
+                                     args)
+                except PeerUnavailable as e:
+                    peer["error"], exe = str(e), None
+                    print(f"SKIP llama-server: {e}", file=sys.stderr)
+                    continue
                 print(f"  {r[who]['tps']:.1f} tokens/s, TTFT p50 {r[who]['ttft_p50_ms']:.0f} ms; cores busy: server "
                       f"{r[who]['cores']['server']:.2f}, the rest {r[who]['cores']['rest']:.2f}", file=sys.stderr)
             runs.setdefault(str(n), []).append(r)
@@ -387,7 +396,7 @@ def main() -> int:
     context = round(statistics.median(r["served"]["mean_context"] for r in numbers["served_offline"]))
     numbers["dense"] = {"context": context,
                         "step_ms": on_fresh_thread(roofline.dense_step_ms, gen, args.max_batch, context, 30)}
-    numbers["streams"] = against_peer(gen, exe, args)
+    numbers["streams"] = against_peer(gen, exe, args, numbers["peer"])
     rows = rows_of(numbers, args)
     numbers["rows"] = rows
     numbers["seconds"] = time.perf_counter() - started

@@ -234,11 +234,13 @@ def test_onestream_smoke_measures_streams_exactness_and_the_floor(tmp_path: Path
 
 def test_peers_smoke_serves_labserver_as_a_process_and_loads_it_every_way(tmp_path: Path) -> None:
     """benchmarks/peers.py on labserver alone (vLLM and llama-server are peers a smoke run never installs): a real
-    ``labserver serve`` process started and stopped, closed and open loops, the greedy answers' token ids."""
+    ``labserver serve`` process started and stopped (its decode steps compiled, as the server does by default),
+    closed and open loops, the greedy answers' token ids."""
     run, numbers = smoke("peers.py", tmp_path / "peers.json", "--streams", "1", "--warmup", "0.3", "--duration", "1",
                          "--open-requests", "12", "--exact-questions", "1", "--exact-tokens", "4", timeout=300)
     (start,) = numbers["start"]["labserver"]
     assert start["start_s"] > 0 and "labserver.cli serve" in start["command"]
+    assert start["decode"] == "compiled" and start["compile_s"] > 0  # (the server's default, where it can compile)
     assert numbers["streams"]["1"]["labserver"][0]["tps"] > 0 and len(numbers["open"]) == 3
     assert all(by["labserver"]["requests"] == 12 for by in numbers["open"].values())
     (answer,) = numbers["answers"]["labserver"]

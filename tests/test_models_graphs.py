@@ -12,14 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 import labserver
 from labserver import wire
 from labserver.models import ModelLoadError, kvcache, load_model
 from labserver.models.base import Chunk
 from labserver.models.gpt2 import gpt2_random
-from labserver.models.graphs import use_cuda_graphs
+from labserver.models.graphs import CompiledDecode, compile_blocker, compiled_cache, use_cuda_graphs
 from labserver.models.kvcache import PagedKV, in_place
+from labserver.strategies import Limits
 
 from .test_models_gpt2 import Tracker, prompt
 
@@ -99,6 +101,59 @@ def test_the_flag_reaches_the_limits() -> None:
     parse = build_parser().parse_args
     assert limits_from(parse(["serve", "--strategy", "gen-continuous", "--cuda-graphs"])).cuda_graphs
     assert not limits_from(parse(["serve", "--strategy", "gen-continuous"])).cuda_graphs
+    compiles = [limits_from(parse(["serve", "--strategy", "gen-continuous", *flag])).compile
+                for flag in ([], ["--compile"], ["--compile", "on"], ["--compile", "off"], ["--compile", "auto"])]
+    assert compiles == ["auto", True, True, False, "auto"]  # the server compiles where it can unless told
+    assert Limits().compile is False  # (the Python API: eager unless asked, a lesson's server starting in seconds)
+    with pytest.raises(ValueError, match="compile must be"):
+        Limits(compile="yes")
+
+
+def test_auto_compiles_only_where_it_can(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``--compile auto`` (the server's default) on what cannot compile: eager, saying why, and serving; asked for
+    (``compile=True``), the load fails instead. A compile that fails under auto leaves the eager steps as they were
+    (the same tokens); asked for, it fails the load with the compiler's error. Where torch keeps the code."""
+    import httpx
+
+    def decode(h: labserver.ServerHandle) -> str:
+        return str(httpx.get(h.url + "/stats", timeout=10).json()["decode"])
+
+    body = {"prompt": "the cat sat on the mat", "max_new_tokens": 8, "ignore_eos": True}
+    with labserver.serve("gen-continuous", "synthetic-gen:0+0", compile="auto") as h:
+        assert decode(h) == "eager: 'synthetic-gen:0+0' has no forward pass of labserver's own to compile"
+        assert httpx.post(h.url + "/generate", json=body, timeout=30).status_code == 200
+    with pytest.raises(ModelLoadError, match="has none"):
+        labserver.serve("gen-continuous", "synthetic-gen:0+0", compile=True)
+
+    tiny = load_model("gpt2-tiny-random", device="cpu", kind="generate")
+    assert compile_blocker(tiny) is None  # (this machine has g++)
+    monkeypatch.setattr("torch._inductor.cpp_builder.get_cpp_compiler", lambda: "no-such-c++")
+    assert compile_blocker(tiny) == "no C++ compiler (no-such-c++) for torch.compile's generated code"
+    monkeypatch.undo()
+
+    with labserver.serve("gen-continuous", tiny, device="cpu") as h:
+        want = httpx.post(h.url + "/generate", json=body, timeout=30).json()["tokens"]
+
+    def broken(self: CompiledDecode, batch: bool = True) -> float:
+        raise RuntimeError("C++ compile error: no such header")
+
+    monkeypatch.setattr(CompiledDecode, "warm", broken)
+    tiny = load_model("gpt2-tiny-random", device="cpu", kind="generate")
+    with labserver.serve("gen-continuous", tiny, device="cpu", compile="auto") as h:
+        assert decode(h) == "eager: the compile failed (RuntimeError)"
+        assert tiny.graphs is None and not tiny.kv.dynamic  # (undone: the eager steps as before)
+        assert httpx.post(h.url + "/generate", json=body, timeout=30).json()["tokens"] == want
+    with pytest.raises(ModelLoadError, match="--compile failed: RuntimeError: C\\+\\+ compile error"):
+        labserver.serve("gen-continuous", load_model("gpt2-tiny-random", device="cpu", kind="generate"),
+                        device="cpu", compile=True)
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("LABSERVER_CACHE", str(tmp_path))
+    assert compiled_cache() == str(tmp_path / "inductor")  # labserver's cache, not the temporary folder
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # (torch's default, written by torch)
+    assert compiled_cache() == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))  # the user's: kept
+    assert compiled_cache() == str(tmp_path / "mine")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -150,7 +205,9 @@ def test_compiled_steps_of_one_sequence_and_of_several_equal_the_eager_steps(fol
         want = httpx.post(h.url + "/generate", json=body, timeout=60).json()["tokens"]
         want_two = both(h.url)
     compiled = load_model(str(folders["llama"]), device="cpu", kind="generate")
-    with labserver.serve("gen-continuous", compiled, device="cpu", compile=True) as h:  # (compiled while loading)
+    with labserver.serve("gen-continuous", compiled, device="cpu", compile="auto") as h:  # (compiled while loading,
+        #   as the server's default does where it can)
+        assert httpx.get(h.url + "/stats", timeout=10).json()["decode"] == "compiled"
         steps = compiled.graphs
         assert steps.replays == 0  # (both compiled over the scratch slot, before any request)
         assert traced  # (the batch's step traced through in_place: its attention reads the pool in place)

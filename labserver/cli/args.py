@@ -23,6 +23,7 @@ __all__ = ["add_load_args", "add_model_args", "add_strategy_args", "limits_from"
            "wants_generation"]
 
 _LIMITS = Limits()
+COMPILE = {"auto": "auto", "on": True, "off": False}  # --compile's words -> Limits.compile
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -69,10 +70,12 @@ def add_strategy_args(p: argparse.ArgumentParser, with_strategy: bool = True) ->
     p.add_argument("--cuda-graphs", action="store_true",
                    help="gen-*, on a GPU: replay decode steps from CUDA graphs (one launch a step instead of one a "
                         "kernel; steps padded to buckets)")
-    p.add_argument("--compile", action="store_true",
+    p.add_argument("--compile", nargs="?", const="on", default="auto", choices=list(COMPILE),
                    help="gen-*: compile the decode steps (one sequence's, and a batch's) with torch.compile at "
-                        "startup (~1.5 min on 2 cores the first time; cached by torch after); steps then dispatch "
-                        "fewer ops")
+                        "startup: fewer ops a step, each fused. auto (the default): where they can compile "
+                        "(labserver's own model on a CPU, a C++ compiler), eager if the compile fails; on "
+                        "(--compile): a failure fails the load; off: eager. The first compile on a machine takes "
+                        "~2 min on 2 cores, later starts read torch's cache (~20 s)")
     p.add_argument("--prefill", default=_LIMITS.prefill, choices=list(PREFILLS),
                    help="gen-continuous, gen-paged: prefill all that fit at every step, at most "
                         "--max-prefill-tokens, or in pieces inside each step (--max-step-tokens)")
@@ -146,7 +149,7 @@ def limits_from(args: argparse.Namespace) -> Limits:
         kv_block_tokens=args.kv_block_tokens,
         prefix_cache=args.prefix_cache,
         cuda_graphs=args.cuda_graphs,
-        compile=args.compile,
+        compile=COMPILE[args.compile],
         prefill=args.prefill,
         max_prefill_tokens=args.max_prefill_tokens,
         max_step_tokens=args.max_step_tokens,

@@ -29,6 +29,8 @@ step runs eagerly, uncaptured (``capture=False``): how the tests check the paddi
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from typing import Any
 
@@ -37,7 +39,8 @@ import torch
 from .base import Chunk, ModelLoadError
 from .kvcache import GROUP, CallPlan, padded_within
 
-__all__ = ["MIN_KEYS", "CompiledDecode", "DecodeGraphs", "use_compiled", "use_cuda_graphs"]
+__all__ = ["MIN_KEYS", "CompiledDecode", "DecodeGraphs", "compile_blocker", "compiled_cache", "use_compiled",
+           "use_cuda_graphs"]
 
 MIN_KEYS = 64  # the fewest positions a bucket pads a sequence to
 
@@ -140,9 +143,9 @@ class CompiledDecode:
       (sequences, positions) are dynamic, so one compile serves every batch (``docs/models.md``).
 
     Its shapes are dynamic (positions, the pool's slots, the batch), so each compile serves
-    every such step. Compiled code is cached by torch (``TORCHINDUCTOR_CACHE_DIR``, by default
-    under the system's temporary folder): a second start on the same machine loads it instead of
-    compiling again. Its sums run in another order than the eager step's, and inductor keeps
+    every such step. Compiled code is cached by torch in ``compiled_cache()`` (labserver's cache
+    folder, unless ``TORCHINDUCTOR_CACHE_DIR`` says another): a second start on the same machine
+    loads it instead of compiling again (~20 against ~135 s for smollm2 on 2 cores). Its sums run in another order than the eager step's, and inductor keeps
     float16 intermediates in float32 inside a fused loop, so the last bits differ from the eager
     step's: the greedy answers are checked against transformers' with the near-tie rule
     (``benchmarks/onestream.py``, ``benchmarks/peers.py``).
@@ -235,6 +238,38 @@ class CompiledDecode:
         return time.perf_counter() - start
 
 
+def compile_blocker(model: Any) -> str | None:
+    """Why ``--compile auto`` (the server's default) leaves ``model``'s decode steps eager; None where they compile:
+    labserver's own forward pass, on a CPU (a GPU's way is ``--cuda-graphs``), with a C++ compiler for inductor's
+    generated code."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    from .paged import PagedLM
+
+    if not isinstance(model, PagedLM):
+        return f"{getattr(model, 'name', model)!r} has no forward pass of labserver's own to compile"
+    if model.kv.device.type != "cpu":
+        return f"on {model.kv.device.type} the decode steps compile only when asked (--compile on; or --cuda-graphs)"
+    compiler = get_cpp_compiler()
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) for torch.compile's generated code"
+    return None
+
+
+def compiled_cache() -> str:
+    """The folder torch keeps compiled code in: ``$TORCHINDUCTOR_CACHE_DIR`` if set, else ``inductor`` in
+    labserver's cache (``models.smollm2.cache_root``), not torch's default under the temporary folder, which a
+    reboot may empty. Set for this process (torch reads it at every compile, and writes its default there the
+    first time it looks, so its default counts as unset)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from .smollm2 import cache_root
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, "", default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def use_compiled(model: Any) -> CompiledDecode:
     """Run ``model``'s one-token steps through ``torch.compile`` (``--compile``); the pool's slots made dynamic."""
     from .paged import PagedLM
@@ -244,6 +279,7 @@ def use_compiled(model: Any) -> CompiledDecode:
                              "has none")
     if isinstance(model.graphs, CompiledDecode):
         return model.graphs
+    compiled_cache()
     model.kv.dynamic = True
     return model.use_graphs(CompiledDecode(model))  # type: ignore[no-any-return]
 

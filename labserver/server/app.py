@@ -71,6 +71,8 @@ def stats_dict(rt: Runtime, batches: int = 0, lag: bool = False, steps: int = 0)
         "model": rt.config.model,
         "strategy": rt.strategy.name,
         "uptime_s": round(time.time() - rt.started_s, 3),
+        "decode": rt.decode,  # a generator's decode steps: compiled, or eager (and why)
+        "compile_s": None if rt.compile_s is None else round(rt.compile_s, 3),
         "statuses": {str(k): v for k, v in sorted(rt.statuses.items())},
         "loop_lag": rt.lag.summary(),
         "process": process_info(),

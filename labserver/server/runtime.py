@@ -43,6 +43,8 @@ class Runtime:
         self.load_error: str | None = None
         self.load_s: float | None = None  # how long the model took to load (None: given loaded, or not yet)
         self.compile_s: float | None = None  # how long its compile took (None: not compiled)
+        self.decode = "eager"  # a generator's decode steps: "compiled", "cuda graphs", or "eager" (why, where auto
+        #   chose it)
         self.statuses: Counter[int] = Counter()
         self.started_s = time.time()
         self.lag = LagMonitor(config.lag_interval_ms)
@@ -72,20 +74,16 @@ class Runtime:
             if generate != isinstance(self.model, GenModel):
                 raise ModelLoadError(_mismatch(self.strategy.name, cfg.model, generate))
             limits = self.strategy.limits
-            if limits.cuda_graphs and limits.compile:
+            if limits.cuda_graphs and limits.compile is True:
                 raise ModelLoadError("--cuda-graphs and --compile each take over the decode step: choose one")
             if limits.cuda_graphs:
                 from ..models.graphs import use_cuda_graphs
 
                 use_cuda_graphs(self.model, limits.max_batch_size)
-            if limits.compile:
-                from ..models.graphs import use_compiled
-
-                # (made and warmed on a thread that ends with it: stacking the weights and the compile run parallel
-                # ops, and any other thread that does keeps an OpenMP team beside the model thread's; models.cpu)
-                took = await asyncio.to_thread(on_fresh_thread, lambda: use_compiled(self.model).warm())
-                self.compile_s = took
-                logger.info("compiled %s's decode steps in %.1f s", cfg.model, took)
+                self.decode = "cuda graphs"
+            elif self.engine_factory is make_engine and (limits.compile is True or limits.compile == "auto"
+                                                         and generate):  # (an ingress's replicas run the model)
+                await self._compile(limits.compile == "auto")
         except ModelLoadError as e:
             self.state, self.load_error = "failed", str(e)
             logger.error("model %r failed to load: %s", cfg.model, e, exc_info=e.__cause__)
@@ -136,6 +134,34 @@ class Runtime:
         if self.engine is not None:
             await self.engine.stop()
         self.lag.stop()
+
+    async def _compile(self, auto: bool) -> None:
+        """The decode steps through torch.compile (``--compile``), before the engine starts. ``auto`` (the server's
+        default): only where they can compile (``models.graphs.compile_blocker``), and eager, with a warning, if the
+        compile fails; asked for (``--compile on``), a failure fails the load."""
+        from ..models.graphs import compile_blocker, compiled_cache, use_compiled
+
+        cfg = self.config
+        if auto and (blocker := compile_blocker(self.model)) is not None:
+            self.decode = f"eager: {blocker}"
+            logger.info("%s's decode steps run eagerly: %s", cfg.model, blocker)
+            return
+        logger.info("compiling %s's decode steps (torch.compile; the first time on a machine ~2 min on 2 cores, "
+                    "then read from %s; --compile off to skip)", cfg.model, compiled_cache())
+        try:
+            # (made and warmed on a thread that ends with it: stacking the weights and the compile run parallel
+            # ops, and any other thread that does keeps an OpenMP team beside the model thread's; models.cpu)
+            self.compile_s = await asyncio.to_thread(on_fresh_thread, lambda: use_compiled(self.model).warm())
+        except Exception as e:
+            if not auto:
+                raise ModelLoadError(f"--compile failed: {type(e).__name__}: {e}") from e
+            self.model.kv.dynamic = False  # type: ignore[union-attr]
+            self.model.use_graphs(None)  # type: ignore[union-attr]
+            self.decode = f"eager: the compile failed ({type(e).__name__})"
+            logger.warning("%s's decode steps run eagerly: the compile failed", cfg.model, exc_info=e)
+            return
+        self.decode = "compiled"
+        logger.info("compiled %s's decode steps in %.1f s", cfg.model, self.compile_s)
 
     def healthy(self) -> bool:
         return self.state == "ready" and self.engine is not None and self.engine.healthy

@@ -67,8 +67,9 @@ class Limits:
     prefix_cache: bool = False  # prompts that begin alike share their KV blocks (whole blocks, keyed by tokens)
     cuda_graphs: bool = False  # decode steps replayed from CUDA graphs, padded to buckets (a GPU only:
     #   labserver.models.graphs)
-    compile: bool = False  # decode steps (one sequence's, a batch's) compiled by torch.compile at startup, cached
-    #   (labserver.models.graphs.CompiledDecode)
+    compile: bool | str = False  # decode steps (one sequence's, a batch's) compiled by torch.compile at startup,
+    #   cached (labserver.models.graphs.CompiledDecode); "auto" (the server's default, --compile auto): where they
+    #   can compile (labserver's own model on a CPU, a C++ compiler), and eager if the compile fails
     prefill: str = "eager"  # gen-continuous, gen-paged: "eager" prefills whole prompts between two steps; "budget"
     #   at most max_prefill_tokens of them; "chunked" pieces of prompts inside each step, max_step_tokens in all
     max_prefill_tokens: int = 512  # prompt tokens prefilled between two decode steps under prefill="budget"
@@ -105,6 +106,7 @@ class Limits:
             ("max_kv_tokens", self.max_kv_tokens is None or self.max_kv_tokens >= self.kv_block_tokens,
              f">= kv_block_tokens ({self.kv_block_tokens}: one block) or None"),
             ("kv_memory_mb", self.kv_memory_mb is None or self.kv_memory_mb > 0, "> 0 or None"),
+            ("compile", self.compile in (True, False, "auto"), "True, False or 'auto'"),
             ("prefill", self.prefill in PREFILLS, " or ".join(map(repr, PREFILLS))),
             ("max_prefill_tokens", self.max_prefill_tokens >= 1, ">= 1"),
             ("max_step_tokens", self.max_step_tokens >= 1, ">= 1"),
