@@ -8,8 +8,9 @@ labserver (``labserver serve --strategy gen-continuous``, float32, the default: 
 compiled where they can be, ``--compile auto``, ``labserver.models.graphs.CompiledDecode``), the
 same eager (``--compile off``: parts 1, 2 and 4 only), vLLM 0.32's CPU build (``labserver.experiments.peers.vllm_python``: its own venv, float32, on every
 core) and ``llama-server`` (built once, on the GGUF's Q4_1 blocks). labserver and vLLM load
-the same converted folder; llama-server the GGUF it came from. One run, in rounds whose
-order turns (round 1: vLLM first, whose saturation sets the open-loop rates):
+the same converted folder; llama-server the GGUF it came from. One run, in rounds: vLLM and
+the default labserver next to each other, in turns (round 1 vLLM first, whose saturation sets
+the open-loop rates; round 2 labserver first, ...), then the others:
 
 1. **start**: a process start until ``/health`` answers 200 (vLLM: from the compile cache
    this machine holds in ``~/.cache/vllm``, or compiling where it holds none: said in the row);
@@ -75,7 +76,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks" / ".peers"
 OURS, EAGER, VLLM, LLAMA = "labserver", "labserver --compile off", "vLLM", "llama-server"
 FLAGS = {OURS: [], EAGER: ["--compile", "off"]}  # (the default compiles its decode steps where it can)
-FULL = dict(model="smollm2", rounds=2, warmup=10.0, duration=30.0, streams="1,16,32", answer_tokens=64,
+FULL = dict(model="smollm2", rounds=3, warmup=10.0, duration=30.0, streams="1,16,32", answer_tokens=64,
             one_stream_tokens=128, prompt_tokens=32, quiet_wait=120.0, max_rest=0.6, open_requests=300,
             exact_questions=16, exact_tokens=64, servers=f"{OURS},{EAGER},{VLLM},{LLAMA}", context=128, batch=16)
 SMOKE = dict(model="gpt2-tiny-random", rounds=1, warmup=0.5, duration=2.0, streams="1,4", answer_tokens=16,
@@ -428,10 +429,11 @@ def main() -> int:
     numbers["exact_prompts"] = chat_prompts(args)
     if "engine" not in args.skip:
         numbers["engine"] = engine(args)
-    who = [w for w in (VLLM, OURS, EAGER, LLAMA) if w in args.servers]  # round 1: vLLM first (its saturation:
-    #   the rates)
+    pair = [w for w in (VLLM, OURS) if w in args.servers]  # round 1: vLLM first (its saturation: the rates)
+    rest = [w for w in (EAGER, LLAMA) if w in args.servers]
     for rnd in range(args.rounds):
-        for name in who[rnd % len(who):] + who[:rnd % len(who)]:
+        for name in (pair if rnd % 2 == 0 else pair[::-1]) + rest:  # (the ratio that has a goal from two servers
+            #   measured next to each other, in turns: this machine's pace moves by the minute)
             try:
                 run_server(name, rnd, numbers, texts, args)
             except peers.PeerUnavailable as e:

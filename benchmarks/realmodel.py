@@ -9,6 +9,9 @@ Every other benchmark here runs GPT-2-shaped random weights; this one asks wheth
 found holds on the real model labserver serves by default, and how far a Python server on
 PyTorch float32 is from the C++ server people run small models with on a CPU.
 
+labserver's decode steps are compiled first, as ``labserver serve`` runs them by default where
+they can compile (``labserver.models.graphs``; ``--eager`` leaves them eager), in every part.
+
 1. **Served against offline** (``servedperf``'s machinery, unchanged, on ``--model``): the same
    loaded model measured offline (``genperf.offline_engine``: prefill and decode called
    directly, ``--max-batch`` sequences always running) and served (``gen-continuous`` with
@@ -83,6 +86,7 @@ from labserver.load.payloads import take_payloads
 from labserver.load.prompts import TokenPrompts
 from labserver.loadgen import run_load_sync
 from labserver.models import ModelLoadError, load_model, on_fresh_thread, smollm2
+from labserver.models.graphs import compile_blocker, use_compiled
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT / "benchmarks" / ".peers"
@@ -267,7 +271,8 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
     step = per(med("served", "decode_call_ms"), dense["step_ms"])
     rows = [row("1 served/offline tokens/s", ratio, ">= 0.95", ratio >= 0.95,
                 f"{med('served', 'tps'):.1f} vs {med('offline', 'tps'):.1f} tokens/s, {args.max_batch} sequences, "
-                f"{args.model} (medians of {len(rounds)}); rounds " + ", ".join(f"{x:.3f}" for x in ratios)),
+                f"{args.model}, decode steps {numbers.get('decode', 'eager')} (medians of {len(rounds)}); rounds "
+                + ", ".join(f"{x:.3f}" for x in ratios)),
             row(f"2 served decode call of {args.max_batch} / transformers' dense-cache step", step, "(info)", None,
                 f"{med('served', 'decode_call_ms'):.1f} vs {dense['step_ms']:.1f} ms at a context of "
                 f"{dense['context']} tokens, same weights; offline's call {med('offline', 'decode_call_ms'):.1f} ms; "
@@ -361,6 +366,8 @@ def main() -> int:
     ap.add_argument("--retries", type=int, default=2, help="at most this many runs again, each")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-peer", action="store_true", help="leave llama-server out (its rows SKIP)")
+    ap.add_argument("--eager", action="store_true", help="labserver's decode steps eager (by default compiled, as "
+                    "`labserver serve` runs them where they can compile)")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny, and exit on checks of what was measured (rows, counts, no errors), not on targets")
     ap.add_argument("--out", default="results/realmodel/cpu.json", help="every number as JSON here (and a .txt)")
@@ -392,6 +399,11 @@ def main() -> int:
             print(f"SKIP llama-server: {e}", file=sys.stderr)
 
     gen = load_model(args.model, device="cpu", kind="generate")
+    blocker = "--eager" if args.eager else compile_blocker(gen)
+    if blocker is None:  # (as `labserver serve` runs it by default: both steps compiled, offline and served)
+        numbers["compile_s"] = on_fresh_thread(lambda: use_compiled(gen).warm())
+    numbers["decode"] = "compiled" if blocker is None else f"eager: {blocker}"
+    print(f"decode steps {numbers['decode']}", file=sys.stderr)
     numbers["served_offline"] = served_vs_offline(gen, args)
     context = round(statistics.median(r["served"]["mean_context"] for r in numbers["served_offline"]))
     numbers["dense"] = {"context": context,
