@@ -6,8 +6,8 @@
 The servers, each a process of its own started and stopped here, never two at once:
 labserver (``labserver serve --strategy gen-continuous``, float32, the default: its decode steps
 compiled where they can be, ``--compile auto``, ``labserver.models.graphs.CompiledDecode``), the
-same eager (``--compile off``: parts 1, 2 and 4 only), vLLM 0.32's CPU build (``labserver.experiments.peers.vllm_python``: its own venv, float32, on every
-core) and ``llama-server`` (built once, on the GGUF's Q4_1 blocks). labserver and vLLM load
+same eager (``--compile off``: parts 1, 2 and 4 only), vLLM 0.32's CPU build
+(``labserver.experiments.peers.vllm_python``: its own venv, float32, on every core) and ``llama-server`` (built once, on the GGUF's Q4_1 blocks). labserver and vLLM load
 the same converted folder; llama-server the GGUF it came from. One run, in rounds: vLLM and
 the default labserver next to each other, in turns (round 1 vLLM first, whose saturation sets
 the open-loop rates; round 2 labserver first, ...), then the others:

@@ -145,9 +145,9 @@ class CompiledDecode:
     Its shapes are dynamic (positions, the pool's slots, the batch), so each compile serves
     every such step. Compiled code is cached by torch in ``compiled_cache()`` (labserver's cache
     folder, unless ``TORCHINDUCTOR_CACHE_DIR`` says another): a second start on the same machine
-    loads it instead of compiling again (~20 against ~135 s for smollm2 on 2 cores). Its sums run in another order than the eager step's, and inductor keeps
-    float16 intermediates in float32 inside a fused loop, so the last bits differ from the eager
-    step's: the greedy answers are checked against transformers' with the near-tie rule
+    loads it instead of compiling again (~20 against ~135 s for smollm2 on 2 cores). Its sums run
+    in another order than the eager step's, and inductor keeps float16 intermediates in float32
+    inside a fused loop, so the last bits differ from the eager step's: the greedy answers are checked against transformers' with the near-tie rule
     (``benchmarks/onestream.py``, ``benchmarks/peers.py``).
     """
 
