@@ -18,6 +18,7 @@ import labserver
 from labserver import wire
 from labserver.models import ModelLoadError, kvcache, load_model
 from labserver.models.base import Chunk
+from labserver.models.paged import Costs
 from labserver.models.gpt2 import gpt2_random
 from labserver.models.graphs import CompiledDecode, compile_blocker, compiled_cache, use_cuda_graphs
 from labserver.models.kvcache import PagedKV, in_place
@@ -222,6 +223,11 @@ def test_compiled_steps_of_one_sequence_and_of_several_equal_the_eager_steps(fol
         assert not steps.fits([Chunk(1, [5], 0, (0,)), Chunk(2, [5], 0, (1,))])  # one position each: eager
         assert not steps.fits([Chunk(1, [5, 6], 9, (0,))])  # a prompt piece: eager
         assert steps.checked == {"one", "batch"}  # (the guards ran once for each; the later steps skipped them)
+        compiled.costs = Costs()  # a benchmark's split of each call's time (servedperf): the compiled steps as before,
+        steps.checked.clear()  # their guards checked again (as after a pool made again)
+        assert httpx.post(h.url + "/generate", json=body, timeout=60).json()["tokens"] == want
+        assert compiled.costs.calls > 0
+        compiled.costs = None
     qkv = compiled.projections()[0]  # the projections the compiled step read: the modules' own weights, [out, in]
     attn = compiled.hf_model.model.layers[0].self_attn
     assert all(p.rows_weight is not None for p in compiled.projections())

@@ -78,7 +78,7 @@ class GPT2Gen(PagedLM):
         heads = self.hf_model.config.n_head
         x = gpt.wte(ids) + gpt.wpe(positions)  # [tokens, width]
         t, width = x.shape
-        costs = self.costs
+        costs = None if torch.compiler.is_compiling() else self.costs  # (a compiled step: one graph, no split)
         for i, (block, (c_attn, c_proj, c_fc, mlp_proj)) in enumerate(zip(gpt.h, self._dense, strict=True)):
             t0 = time.perf_counter() if costs else 0.0
             qkv = c_attn(_layer_norm(x, block.ln_1))

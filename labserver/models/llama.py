@@ -133,7 +133,7 @@ class LlamaGen(PagedLM):
         cos, sin = body.rotary_emb(x, positions[None])  # [1, tokens, head_dim]: each token's own angles
         cos, sin = _angles(cos[0, :, None, :], sin[0, :, None, :])  # broadcast over heads
         heads, kv_heads, dim = self.heads, self.kv.heads, self.head_dim
-        costs = self.costs
+        costs = None if torch.compiler.is_compiling() else self.costs  # (a compiled step: one graph, no split)
         for i, (layer, w) in enumerate(zip(body.layers, self._packed, strict=True)):
             t0 = time.perf_counter() if costs else 0.0
             attn = layer.self_attn
