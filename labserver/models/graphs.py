@@ -147,7 +147,8 @@ class CompiledDecode:
     folder, unless ``TORCHINDUCTOR_CACHE_DIR`` says another): a second start on the same machine
     loads it instead of compiling again (~20 against ~135 s for smollm2 on 2 cores). Its sums run
     in another order than the eager step's, and inductor keeps float16 intermediates in float32
-    inside a fused loop, so the last bits differ from the eager step's: the greedy answers are checked against transformers' with the near-tie rule
+    inside a fused loop, so the last bits differ from the eager step's: the greedy answers are
+    checked against transformers' with the near-tie rule
     (``benchmarks/onestream.py``, ``benchmarks/peers.py``).
     """
 
