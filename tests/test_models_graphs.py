@@ -190,8 +190,9 @@ def test_compiled_steps_of_one_sequence_and_of_several_equal_the_eager_steps(fol
     padded and masked); the pool's new size costs no second compile."""
     import httpx
 
-    traced: list[int] = []  # (in_place runs in Python only while torch traces the step: once per compile)
-    monkeypatch.setattr(kvcache, "in_place", lambda *a, **k: traced.append(1) or in_place(*a, **k))
+    attended = torch.zeros((), dtype=torch.long)  # layers attended in place: a tensor the compiled step adds to (a
+    #   Python list appended to would be guarded on, and the next step would need another compile)
+    monkeypatch.setattr(kvcache, "in_place", lambda *a, **k: (attended.add_(1), in_place(*a, **k))[1])
 
     body = {"prompt": "the cat sat on the mat", "max_new_tokens": 40, "ignore_eos": True}
     two = {"prompt": ["the cat sat on the mat", "a dog"], "max_tokens": 24, "temperature": 0,
@@ -211,15 +212,19 @@ def test_compiled_steps_of_one_sequence_and_of_several_equal_the_eager_steps(fol
         assert httpx.get(h.url + "/stats", timeout=10).json()["decode"] == "compiled"
         steps = compiled.graphs
         assert steps.replays == 0  # (both compiled over the scratch slot, before any request)
-        assert traced  # (the batch's step traced through in_place: its attention reads the pool in place)
+        layers = compiled.hf_model.config.num_hidden_layers
+        assert attended.item() == layers  # (the batch's step compiled through in_place, warmed once)
         assert httpx.post(h.url + "/generate", json=body, timeout=60).json()["tokens"] == want
         assert steps.replays == 39 and steps.batched == 0  # every decode step of one sequence went through the
         #   compiled code
         assert both(h.url) == want_two
-        assert steps.batched >= 10  # (the two decoded side by side: the batch's compiled step, once their lengths
-        #   padded to the longer were within PADDING of their own; the steps before ran eagerly)
-        assert steps.fits([Chunk(1, [5], 9, (0,)), Chunk(2, [5], 7, (1,))])
-        assert not steps.fits([Chunk(1, [5], 9, (0,)), Chunk(2, [5], 3, (1,))])  # padded 20 keys for 14: eager
+        assert steps.batched == 23  # (the two decoded side by side, every step through the batch's compiled step:
+        #   their lengths padded to the longer are within SLACK of their own)
+        assert attended.item() == layers * 24  # ... each attending in place, none of them failed and bisected
+        assert steps.fits([Chunk(1, [5], 9, (0,)), Chunk(2, [5], 3, (1,))])  # padded 20 keys for 14: within SLACK
+        assert steps.fits([Chunk(1, [5], 300, (0,)), Chunk(2, [5], 3, (1,))])  # 602 for 305: 297 more, within 2 x 160
+        assert not steps.fits([Chunk(1, [5], 400, (0,)), Chunk(2, [5], 3, (1,))])  # 802 for 405: eager
+        assert steps.fits([Chunk(k, [5], 1000 + k, (k,)) for k in range(8)])  # 8 x 1008 for 8,036: within PADDING
         assert not steps.fits([Chunk(1, [5], 0, (0,)), Chunk(2, [5], 0, (1,))])  # one position each: eager
         assert not steps.fits([Chunk(1, [5, 6], 9, (0,))])  # a prompt piece: eager
         assert steps.checked == {"one", "batch"}  # (the guards ran once for each; the later steps skipped them)
