@@ -138,12 +138,21 @@ def closed(server: dict[str, Any], n: int, texts: list[str], args: argparse.Name
 def open_loop(server: dict[str, Any], rate: float, texts: list[str], args: argparse.Namespace) -> dict[str, Any]:
     """``--open-requests`` Poisson arrivals at ``rate`` (the same schedule for every server): latencies from the
     scheduled send, a p99 from that many answers."""
+    def calls() -> tuple[int, int] | None:  # labserver's decode calls, and of those through its compiled step
+        if server["decode"] is None:
+            return None
+        st = httpx.get(server["url"] + "/stats", timeout=30).json()
+        return st.get("decode_calls", 0), st.get("compiled_calls") or 0
+
+    before = calls()
     result = run_load_sync(server["url"], api="openai-completions", model=server["model"], arrival="poisson",
                            rate_per_s=rate, max_requests=args.open_requests, payload=texts,
                            new_tokens=args.answer_tokens, ignore_eos=True, stream=True, seed=args.seed,
                            timeout_s=600.0, progress=False)
+    after = calls()
     s = analysis.summarize(result.records, tokens=result.tokens)
     return {"rate": rate, "requests": int(s["count"]), "errors": int(s["count"] - s["n_ok"]),
+            "decode_calls": None if after is None or before is None else [b - a for a, b in zip(before, after)],
             **{k: float(s.get(k, math.nan)) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                                                        "token_throughput_tps")}}
 
@@ -330,8 +339,10 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
         where = f"open loop {a['rate']:.2f} requests/s ({load}x vLLM's saturation):"
         rows.append(row(f"{where} labserver / vLLM TTFT p50", per(a["ttft_p50_ms"], b["ttft_p50_ms"]), "(info)",
                         None, rest))
+        compiled = (f"; labserver's decode calls {a['decode_calls'][0]}, {a['decode_calls'][1]} of them compiled"
+                    if a.get("decode_calls") else "")
         rows.append(row(f"{where} labserver / vLLM ITL p99", per(a["itl_p99_ms"], b["itl_p99_ms"]), "(info)", None,
-                        f"{a['itl_p99_ms']:.0f} vs {b['itl_p99_ms']:.0f} ms"))
+                        f"{a['itl_p99_ms']:.0f} vs {b['itl_p99_ms']:.0f} ms{compiled}"))
     for ours, key in ((OURS, "parted"), (EAGER, "parted_eager")):
         if ours not in numbers["answers"] or VLLM not in numbers["answers"]:
             continue
@@ -393,6 +404,8 @@ def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
             check(m["errors"] == 0 and m["sent"] == m["answered"], f"{n} streams: {m['errors']} errors")
     for load, by in numbers["open"].items():
         check(by[OURS]["errors"] == 0 and by[OURS]["requests"] > 0, f"open loop {load}: {by[OURS]}")
+        made, compiled = by[OURS]["decode_calls"] or (0, 0)
+        check(0 < compiled <= made, f"open loop {load}: {compiled} of {made} decode calls compiled")
     check(len(numbers["answers"].get(OURS, [])) == args.exact_questions, "not every question answered")
     return check
 

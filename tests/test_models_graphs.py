@@ -122,6 +122,7 @@ def test_auto_compiles_only_where_it_can(monkeypatch: pytest.MonkeyPatch, tmp_pa
     body = {"prompt": "the cat sat on the mat", "max_new_tokens": 8, "ignore_eos": True}
     with labserver.serve("gen-continuous", "synthetic-gen:0+0", compile="auto") as h:
         assert decode(h) == "eager: 'synthetic-gen:0+0' has no forward pass of labserver's own to compile"
+        assert httpx.get(h.url + "/stats", timeout=10).json()["compiled_calls"] is None
         assert httpx.post(h.url + "/generate", json=body, timeout=30).status_code == 200
     with pytest.raises(ModelLoadError, match="has none"):
         labserver.serve("gen-continuous", "synthetic-gen:0+0", compile=True)
@@ -217,6 +218,8 @@ def test_compiled_steps_of_one_sequence_and_of_several_equal_the_eager_steps(fol
         assert httpx.post(h.url + "/generate", json=body, timeout=60).json()["tokens"] == want
         assert steps.replays == 39 and steps.batched == 0  # every decode step of one sequence went through the
         #   compiled code
+        st = httpx.get(h.url + "/stats", timeout=10).json()
+        assert st["compiled_calls"] == 39 == st["decode_calls"]  # (/stats counts them)
         assert both(h.url) == want_two
         assert steps.batched == 23  # (the two decoded side by side, every step through the batch's compiled step:
         #   their lengths padded to the longer are within SLACK of their own)

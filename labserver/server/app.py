@@ -73,6 +73,7 @@ def stats_dict(rt: Runtime, batches: int = 0, lag: bool = False, steps: int = 0)
         "uptime_s": round(time.time() - rt.started_s, 3),
         "decode": rt.decode,  # a generator's decode steps: compiled, or eager (and why)
         "compile_s": None if rt.compile_s is None else round(rt.compile_s, 3),
+        "compiled_calls": rt.compiled_calls(),  # model calls through those steps (None: eager); decode_calls: all
         "statuses": {str(k): v for k, v in sorted(rt.statuses.items())},
         "loop_lag": rt.lag.summary(),
         "process": process_info(),

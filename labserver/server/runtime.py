@@ -163,6 +163,12 @@ class Runtime:
         self.decode = "compiled"
         logger.info("compiled %s's decode steps in %.1f s", cfg.model, self.compile_s)
 
+    def compiled_calls(self) -> int | None:
+        """Model calls through the compiled (or captured) decode steps so far; None where they run eagerly. A call
+        they do not take (a prompt, or positions padded past ``graphs.SLACK``) runs eagerly."""
+        graphs = getattr(self.model, "graphs", None)
+        return None if self.decode.startswith("eager") or graphs is None else int(graphs.replays)
+
     def healthy(self) -> bool:
         return self.state == "ready" and self.engine is not None and self.engine.healthy
 
