@@ -231,6 +231,7 @@ def test_ignored_fields_are_accepted_named_and_logged(gen: labserver.ServerHandl
     (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "temperature": 3}, "temperature", "between 0 and 2"),
     (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "top_p": 1.5}, "top_p", "between 0 and 1"),
     (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "stop": [1]}, "stop", "stop"),
+    (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "stop": []}, "stop", "non-empty list"),  # (OpenAI's minItems: 1)
     (wire.V1_COMPLETIONS_PATH, {"prompt": "x", "max_tokens": 5, "min_tokens": 6}, "min_tokens", "min_tokens"),
     (wire.V1_COMPLETIONS_PATH, {"prompt": "   "}, None, "empty"),
     (wire.V1_COMPLETIONS_PATH, {}, "prompt", "prompt"),

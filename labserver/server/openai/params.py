@@ -321,8 +321,8 @@ def _stops(stop: Any) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise _refuse('"stop" must be a non-empty string or a list of them', "stop")
+    if not isinstance(stops, list) or not stops or not all(isinstance(s, str) and s for s in stops):
+        raise _refuse('"stop" must be a non-empty string or a non-empty list of them', "stop")
     if len(stops) > MAX_STOPS:
         raise _refuse(f'"stop" has {len(stops)} strings, over the limit of {MAX_STOPS}', "stop")
     if max(len(s) for s in stops) > MAX_STOP_CHARS:
