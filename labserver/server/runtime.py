@@ -166,8 +166,8 @@ class Runtime:
     def compiled_calls(self) -> int | None:
         """Model calls through the compiled (or captured) decode steps so far; None where they run eagerly. A call
         they do not take (a prompt, or positions padded past ``graphs.SLACK``) runs eagerly."""
-        graphs = getattr(self.model, "graphs", None)
-        return None if self.decode.startswith("eager") or graphs is None else int(graphs.replays)
+        graphs = getattr(self.model, "graphs", None)  # (None where eager: a failed compile takes it away too)
+        return None if graphs is None else int(graphs.replays)
 
     def healthy(self) -> bool:
         return self.state == "ready" and self.engine is not None and self.engine.healthy
