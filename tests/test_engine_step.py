@@ -260,3 +260,54 @@ def test_a_long_run_retains_nothing_per_request_or_per_step(spec: str) -> None:
     after_60, after_240 = asyncio.run(main())
     # (a few items come and go: which step sizes were seen, which sequences the last 50 steps held)
     assert after_240 - after_60 < 60, (after_60, after_240)  # one item per extra request would be 180
+
+
+class Logged(SyntheticGen):
+    """A synthetic generator that logs each call as it begins (on the model thread)."""
+
+    def __init__(self, log: list[tuple[str, int]]) -> None:
+        super().__init__(0, 0)
+        self.log = log
+
+    def forward(self, chunks: Any) -> Any:
+        self.log.append(("call", len(self.log)))
+        return super().forward(chunks)
+
+
+def test_where_no_core_is_spare_the_tokens_are_written_before_the_next_call() -> None:
+    """A reader two loop turns behind each token (as a route's stream is: woken, then writing) has seen every token
+    before the call after the one that made it begins: the engine gives the loop its turns between the calls. (Beside
+    the call, a reader runs only once the model thread has taken the next call.)"""
+    log: list[tuple[str, int]] = []
+
+    async def main() -> Seq:
+        e = engine("gen-continuous", Logged(log), max_batch_size=4)
+        e.flush_turns = 6  # (what a CPU with no core spare gets, on whatever machine runs this)
+        e.start()
+        seq = submit(e, "one stream", 12, ignore_eos=True)
+
+        async def reader() -> None:
+            while not seq.future.done():
+                await seq.next_change()
+                await asyncio.sleep(0)  # a second hop: the task that writes
+                log.append(("seen", len(seq.tokens)))
+
+        task = asyncio.create_task(reader())
+        await seq.future
+        await task
+        await e.stop()
+        return seq
+
+    seq = asyncio.run(main())
+    kinds = [kind for kind, _ in log]
+    assert len(seq.tokens) == 12 and kinds.count("call") == 12  # a prefill call, then 11 decode calls
+    calls = [i for i, kind in enumerate(kinds) if kind == "call"]
+    for a, b in zip(calls, calls[1:]):
+        assert "seen" in kinds[a + 1:b], log  # each call's token was read before the next call began
+    assert [n for kind, n in log if kind == "seen"][:11] == list(range(1, 12))
+
+
+def test_a_model_off_the_cpu_always_has_a_core_spare() -> None:
+    from labserver.models import no_core_spare
+
+    assert not no_core_spare("cuda:0") and not no_core_spare("mps")

@@ -147,7 +147,8 @@ class ModelThread:
         hand-over (the tokens just made, written to their streams) and the client's reading them
         took the cores the woken thread needed: a served call of 32 on 2 cores began 1.1-1.5 ms
         late, ~2.5 % of the call (``servedperf.py``'s row 6). Waiting with the GIL released lets
-        the thread have a core first; the loop's work then runs beside the call, not before it.
+        the thread have a core first; whatever the loop does next runs beside the call, not before it
+        (the step engine writes the tokens before the hand-over there: ``labserver.engine.step``).
         """
         fut = self._loop.create_future()
         if self._died is not None:  # nobody would take it

@@ -12,6 +12,7 @@ leaves)::
         if call is None:                    # the step is over
             await scheduler.admit()         # a step boundary: who joins, and the calls of the next step
             continue
+        where the model leaves no core spare: the loop writes the last call's tokens now (see below)
         outputs = model.forward(call.chunks)          # on the model thread; any mix of prompts and decodes;
                                                       # one that raises is bisected until its failure falls alone
         scheduler.apply(call, outputs)      # positions computed, tokens emitted, failures, who leaves
@@ -23,6 +24,14 @@ request's handler on the event loop after every call, through ``Seq.emit``. Ever
 is recorded (``CallRecord``): the Gantt and KV plots are drawn from these. Nothing here
 knows HTTP or torch; the same loop runs on a virtual clock
 (``labserver.engine.gensim.simulate_gen``).
+
+Where the loop's work runs. Each call's tokens are written to their streams by the routes'
+tasks on the event loop. On a CPU whose every core is in the model's OpenMP team
+(``models.no_core_spare``: 2 threads on 2 cores), that work during a call takes a core the
+team needs, and the team's other thread waits for it: it costs the model about twice its
+own time. Between two calls it costs only its own, so there the loop is given a few turns
+(``flush_turns``) to write the tokens before the next call is planned. With a core to spare
+(a GPU, a CPU with more cores than the team) the writing runs beside the next call instead.
 """
 
 from __future__ import annotations
@@ -33,19 +42,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..models import GenModel, InputRejected, ModelLoadError, Sampling, load_model
+from ..models import GenModel, InputRejected, ModelLoadError, Sampling, load_model, no_core_spare
 from ..strategies import GenStrategy
 from .blocks import BlockManager
 from .counters import Metric, gauge
 from .genbase import GenEngine, kv_budget_tokens
 from .connector import KVConnector
-from .modelthread import WorkerDied, bisecting
+from .modelthread import WorkerDied, bisecting, let_loop_run
 from .scheduler import ModelCall, RunningSeqs, Scheduler, StepCounters, CallRecord
 from .sequence import Seq
 from .speculation import DraftModel, Guess, Speculator, same_tokenizer
 
 logger = logging.getLogger(__name__)
 
+FLUSH_TURNS = 6  # loop turns that write the tokens just made before the next call, where the model has no spare core
 TAKEN_S = 0.002  # the loop waits at most this long for the model thread to begin a call (``ModelThread.submit``)
 
 __all__ = ["RunningSeqs", "Seq", "StepCounters", "StepEngine", "CallRecord", "kv_budget_tokens"]
@@ -73,6 +83,7 @@ class StepEngine(GenEngine):
         self._span: tuple[float, float] | None = None  # the last call on the model thread, by its own clock
         self._forgetting: asyncio.Future[None] | None = None  # a release handed to the model thread, unawaited
         self.spec = Speculator(limits) if limits.speculative else None  # (a draft model joins it in ``ready``)
+        self.flush_turns = FLUSH_TURNS if no_core_spare(getattr(model, "device", "")) else 0
 
     async def ready(self) -> None:
         """With ``--speculative draft``: the draft model loaded (off the loop) and given its own KV pool, the same
@@ -139,6 +150,7 @@ class StepEngine(GenEngine):
                 self._calling = False
                 await self.scheduler.admit()  # a step boundary: who joins (waits while nothing runs)
                 continue
+            await let_loop_run(self.flush_turns)  # the last call's tokens written first (0: beside this call)
             if self.spec is not None and call.decoding:
                 call = await self._guess(call)  # speculation: guesses to verify in this call
             start = self.clock()

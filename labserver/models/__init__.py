@@ -32,7 +32,7 @@ from typing import Any
 
 from .base import (GREEDY, MEANINGLESS, POISON, Chunk, GenModel, InputRejected, Logprob, Model, ModelError,
                    ModelLoadError, OutOfMemory, Sampling, Scored, Verified, minilm_dir, pick_device, pick_dtype)
-from .cpu import keep_freed_memory, on_fresh_thread, release_openmp_threads
+from .cpu import keep_freed_memory, no_core_spare, on_fresh_thread, release_openmp_threads
 from .synthetic import (
     Echo,
     Synthetic,
@@ -45,8 +45,8 @@ __all__ = ["DEFAULT_MODELS", "GREEDY", "MEANINGLESS", "MODELS", "POISON", "Chunk
            "InputRejected", "Logprob", "Model", "ModelError", "ModelLoadError", "ModelSpec", "OutOfMemory", "Sampling",
            "Scored", "Synthetic", "Verified",
            "SyntheticGen", "find_spec", "keep_freed_memory", "kind_of", "load_model", "minilm_dir", "model_names",
-           "on_fresh_thread", "parse_synthetic", "parse_synthetic_gen", "pick_device", "pick_dtype", "register_model",
-           "release_openmp_threads"]
+           "no_core_spare", "on_fresh_thread", "parse_synthetic", "parse_synthetic_gen", "pick_device", "pick_dtype",
+           "register_model", "release_openmp_threads"]
 
 Loader = Callable[..., Any]  # (spec, device=, dtype=, task=) -> the model
 
