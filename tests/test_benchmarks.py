@@ -182,6 +182,17 @@ def test_foldercheck_compares_every_family_with_transformers(tmp_path: Path) -> 
     assert strict.returncode == 1 and "FAIL" in strict.stdout  # a difference it cannot tolerate fails the row
 
 
+def test_beside_smoke_measures_bursts_and_a_switched_setting(tmp_path: Path) -> None:
+    run, numbers = smoke("beside.py", tmp_path / "beside.json")
+    (r,) = numbers["offline"]
+    assert r["alone"]["burst_cores"] < 0.02  # the thread alone only waits
+    for kind in ("python", "native"):  # bursts of 0.8 ms every 10 ms: about 0.07 of a core, whatever holds the GIL
+        assert 0.02 < r[kind]["burst_cores"] < 0.5
+    served = numbers["served"]
+    assert served["complete"] and len(served["pairs"]) == 2 and served["errors"] == 0
+    assert "2 served with / without: flush" in run.stdout
+
+
 def test_realmodel_smoke_measures_every_part(tmp_path: Path) -> None:
     """gpt2-tiny-random for labserver's parts (the same code path as smollm2); llama-server when it is built."""
     out = tmp_path / "realmodel.json"
