@@ -28,10 +28,11 @@ knows HTTP or torch; the same loop runs on a virtual clock
 Where the loop's work runs. Each call's tokens are written to their streams by the routes'
 tasks on the event loop. On a CPU whose every core is in the model's OpenMP team
 (``models.no_core_spare``: 2 threads on 2 cores), that work during a call takes a core the
-team needs, and the team's other thread waits for it: it costs the model about twice its
-own time. Between two calls it costs only its own, so there the loop is given a few turns
-(``flush_turns``) to write the tokens before the next call is planned. With a core to spare
-(a GPU, a CPU with more cores than the team) the writing runs beside the next call instead.
+team needs, and the team's other thread may wait for it: it can cost the model up to twice
+its own time. Between two calls it costs only its own, so there the loop is given a few turns
+(``flush_turns``) to write the tokens before the next call begins (about 1 % more tokens/s
+served on 2 cores: ``benchmarks/beside.py``). With a core to spare (a GPU, a CPU with more
+cores than the team) the writing runs beside the next call instead.
 """
 
 from __future__ import annotations

@@ -61,9 +61,10 @@ _malloc_kept: bool | None = None
 def no_core_spare(device: str) -> bool:
     """Whether a model on ``device`` computes on every core this process may use: on the CPU, with an OpenMP team
     of as many threads as those cores. Then any other thread's work during a call takes a core from the team, and
-    the team's other threads wait for it at the op's end: measured on 2 cores, a second thread busy 0.07 of a core
-    beside the offline engine cost it 7 % of its tokens/s, twice its share, whether that thread held the GIL or
-    not. Work done between two calls costs only its own time (``StepEngine``'s ``flush_turns``)."""
+    the team's other threads may wait for it at the op's end: measured on 2 cores, a second thread busy 0.07 of a
+    core beside the offline engine cost it 3-7 % of its tokens/s in two runs (``benchmarks/beside.py``), up to
+    twice its share, whether that thread held the GIL or not. Work done between two calls costs only its own time
+    (``StepEngine``'s ``flush_turns``)."""
     if not device.startswith("cpu"):
         return False
     try:
