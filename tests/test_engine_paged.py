@@ -132,6 +132,36 @@ def test_chunked_prefill_changes_no_token_and_keeps_the_step_budget(strategy: st
     assert len(pieces) >= 150 // 24 and any(st["decoding"] for st in pieces)  # beside running decodes
 
 
+class ChunkSizes:
+    """Any generator, with the number of tokens in each chunk it was given logged."""
+
+    def __init__(self, model: Any) -> None:
+        self.inner, self.sizes = model, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def forward(self, chunks):  # type: ignore[no-untyped-def]
+        self.sizes += [len(c.tokens) for c in chunks]
+        return self.inner.forward(chunks)
+
+
+def test_a_preempted_answer_is_recomputed_in_chunks_of_the_planned_size_under_chunked_prefill() -> None:
+    """Recomputed after preemption, a sequence's context is its prompt and the answer it had sent: a chunk that
+    ends inside the prompt holds prompt tokens only, however long that answer. (Such a chunk once took answer tokens
+    too: 44 where 10 were planned, here; the answers stayed exact only because later chunks wrote those positions
+    again.)"""
+    model = ChunkSizes(SyntheticGen(0, 0))
+    texts, new = [" ".join(f"w{k}x{i}" for i in range(6)) for k in range(8)], [60] * 8
+    roomy, _, _ = serve(SyntheticGen(0, 0), texts, new, max_batch_size=8)
+    tight, stats, steps = serve(model, texts, new, "gen-paged", max_batch_size=8, max_kv_tokens=320,
+                                kv_block_tokens=8, prefill="chunked", max_step_tokens=12)
+    assert stats["preemptions"] >= 2 and any(len(s.prompt_ids) < 60 for s in tight)
+    assert [s.tokens for s in tight] == [s.tokens for s in roomy]
+    assert sum(model.sizes) == sum(st["tokens"] for st in steps)  # what the model computed is what was planned
+    assert max(st["tokens"] for st in steps) <= 12
+
+
 def test_only_sequences_with_the_same_salt_share_prefix_blocks(tiny: Any) -> None:
     """One prompt under salts a, b, a, then a's n = 2 choices and b's again: a hit only under the salt that
     computed it, the choices share (a fork keeps the salt), and the tokens are the unsalted ones."""

@@ -208,9 +208,13 @@ class Scheduler:
     def _chunk(self, seq: Seq, n: int) -> Chunk:
         """The next ``n`` of its pending tokens (a finished sequence: its last position, computed again)."""
         start, prompt = seq.computed, seq.prompt_ids
-        tokens = prompt[start:start + n] + seq.tokens[max(0, start - len(prompt)):start + n - len(prompt)]
-        scoring = seq.wants_prompt_scores and len(seq.prompt_logprobs) == start  # (echo: from position 1 on)
-        score = prompt[start + 1:start + n + 1] if scoring else ()
+        past = start - len(prompt)  # how far into its answer the chunk begins (< 0: inside its prompt)
+        if past >= 0:  # its answer's tokens only (a decode; an answer recomputed after preemption): nothing to score
+            tokens, score = seq.tokens[past:past + n], ()
+        else:  # (a chunk that ends inside the prompt takes none of the answer, however long that is)
+            tokens = prompt[start:start + n] + seq.tokens[:max(0, past + n)]
+            scoring = seq.wants_prompt_scores and len(seq.prompt_logprobs) == start  # (echo: from position 1 on)
+            score = prompt[start + 1:start + n + 1] if scoring else ()
         return Chunk(seq.sid, tokens, start, tuple(self.blocks.tables[seq.sid]), sample=start + n == seq.kv_tokens,
                      sampling=seq.sampling, prompt_len=len(prompt), score=score, decode=seq.decoding,
                      grammar=None if seq.finished else seq.grammar)
