@@ -71,8 +71,15 @@ def failure(seqs: list[Any]) -> BaseException | None:
 
 async def write_stream(rt: Runtime, seqs: list[Any], rid: str, t0: float,
                        render: Renderer) -> AsyncGenerator[Any, None]:
-    """Every token once (all that are ready in one write), then one ending (see the module docstring)."""
+    """Every token once (all that are ready in one write), then one ending (see the module docstring).
+
+    It waits on each sequence's next change only: a token and an ending both wake it (``Seq.emit``, ``Seq.settle``),
+    and so does a future settled by anyone else (a client that left cancels it), through the callback added here.
+    One future a token rather than ``asyncio.wait`` over two: this loop runs once per token per stream.
+    """
     answered = False
+    for seq in seqs:
+        seq.future.add_done_callback(lambda _, seq=seq: seq.wake())
     try:
         while True:
             piece = render.pending()
@@ -89,8 +96,10 @@ async def write_stream(rt: Runtime, seqs: list[Any], rid: str, t0: float,
             waiting = render.open()
             if not waiting:
                 break
-            changes = {f for seq in waiting for f in (seq.next_change(), seq.future)}
-            await asyncio.wait(changes, return_when=asyncio.FIRST_COMPLETED)
+            if len(waiting) == 1:
+                await waiting[0].next_change()
+            else:
+                await asyncio.wait({seq.next_change() for seq in waiting}, return_when=asyncio.FIRST_COMPLETED)
         answered = True
         rt.answered(time.perf_counter() - t0)
         yield render.done()
@@ -131,14 +140,16 @@ class SeqStream(StreamingResponse):
     def __init__(self, rt: Runtime, seqs: list[Seq], rid: str, t0: float, render: Renderer,
                  headers: dict[str, str]) -> None:
         self.rt, self.seqs, self.begun = rt, seqs, False
-        super().__init__(self._events(write_stream(rt, seqs, rid, t0, render)), media_type="text/event-stream",
+        super().__init__(write_stream(rt, seqs, rid, t0, render), media_type="text/event-stream",
                          headers={**headers, "cache-control": "no-cache"})
 
-    async def _events(self, events: AsyncGenerator[Any, None]) -> AsyncGenerator[Any, None]:
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, with ``begun`` set where the loop begins (its first step enters the ``try`` its ending is in)."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         self.begun = True
-        async with contextlib.aclosing(events):  # its ending runs when this one is closed
-            async for piece in events:
-                yield piece
+        async for piece in self.body_iterator:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
