@@ -44,6 +44,27 @@ def test_token_by_token_equals_a_whole_decode(folders: dict[str, Path], family: 
         assert _pushed(decode, ids).text == decode(ids), (family, trial)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_a_models_text_is_its_tokenizers_decode(folders: dict[str, Path], family: str) -> None:
+    """``TokenizerText.text`` calls the Rust tokenizer directly where transformers' ``decode`` would only wrap it
+    (no spaces tidied): the same text for any ids, specials included; a tokenizer that tidies spaces is asked
+    through ``decode`` itself."""
+    from transformers import AutoTokenizer
+
+    from labserver.models.paged import TokenizerText
+
+    tok = AutoTokenizer.from_pretrained(folders[family])
+    rng = random.Random(1)
+    runs = [[rng.randrange(len(tok)) for _ in range(rng.randint(0, 5))] for _ in range(2000)]
+    direct = TokenizerText(tok)
+    assert direct._rust_decode is not None
+    assert [direct.text(ids) for ids in runs] == [tok.decode(ids, skip_special_tokens=True) for ids in runs]
+    tok.clean_up_tokenization_spaces = True
+    tidied = TokenizerText(tok)
+    assert tidied._rust_decode is None
+    assert [tidied.text(ids) for ids in runs[:200]] == [tok.decode(ids, skip_special_tokens=True) for ids in runs[:200]]
+
+
 def _words(ids: list[int]) -> str:
     return " ".join(f"w{t}" for t in ids)
 
