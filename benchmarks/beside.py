@@ -2,7 +2,7 @@
 
 On a machine whose every core is in the model's OpenMP team (2 threads on 2 cores), any other
 thread that runs during a call takes a core from the team, and the team's other thread waits
-for it at the op's end. Two parts, each drift-robust (the machine's pace moves by up to 20 %
+for it at the op's end. Three parts, the first two drift-robust (the machine's pace moves by up to 20 %
 within ten minutes here, so runs far apart are never compared):
 
 1. **Bursts beside the offline engine** (``genperf.offline_engine``, ``--max-batch`` sequences
@@ -19,10 +19,16 @@ within ten minutes here, so runs far apart are never compared):
    default). The tokens/s of each phase are read from the server's own count (``/stats``),
    half a second after each switch. Row: with / without (INFO), the pairs' median and how many
    were higher.
+3. **The server loop's own work per token**: the same served load on ``synthetic-gen:0+0``, a
+   model that computes nothing, so the loop is all there is to time: its thread's CPU time
+   (``/proc``) per token streamed, over ``--loop-rounds`` runs of ``--loop-duration`` s. Row:
+   microseconds a token (INFO). What the loop does between two of the real model's calls
+   (planning, applying, writing the streams) is this work, on caches the model's call left
+   cold.
 
-``python benchmarks/beside.py`` (~9 min on 2 cores) writes ``results/beside/cpu.json`` and
-``.txt``. ``--smoke`` runs it tiny on random weights and checks that it measured what it
-reports.
+``python benchmarks/beside.py`` (~10 min on 2 cores) writes ``results/beside/cpu.json`` and
+``.txt``; ``--parts`` runs some of them (``--parts 3``: ~1 min, the model not loaded).
+``--smoke`` runs it tiny on random weights and checks that it measured what it reports.
 """
 
 from __future__ import annotations
@@ -47,9 +53,10 @@ from labserver.models import load_model, on_fresh_thread
 from labserver.models.graphs import compile_blocker, use_compiled
 
 FULL = dict(model="smollm2", max_batch=16, rounds=4, duration=12.0, burst_ms=0.8, burst_period_ms=10.0,
-            switch="flush", pairs=14, period=8.0, tokens="16:256")
+            switch="flush", pairs=14, period=8.0, tokens="16:256", loop_rounds=3, loop_duration=10.0, parts="1,2,3")
 SMOKE = dict(model="gpt2-tiny-random", max_batch=4, rounds=1, duration=1.0, burst_ms=0.8, burst_period_ms=10.0,
-             switch="flush", pairs=2, period=1.0, tokens="4:32")
+             switch="flush", pairs=2, period=1.0, tokens="4:32", loop_rounds=1, loop_duration=1.0, parts="1,2,3")
+NOTHING = "synthetic-gen:0+0"  # part 3's model: no compute, so the loop is all there is
 KINDS = ("alone", "python", "native")
 
 
@@ -166,9 +173,53 @@ def served_switched(gen: Any, args: argparse.Namespace) -> dict[str, Any]:
             "requests": m["requests"], "errors": m["errors"]}
 
 
+# -- 3: the server loop's own work per token ------------------------------------------------------------------
+def loop_cost(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Part 3's runs: the loop thread's CPU seconds (and the model thread's) over the tokens the server made."""
+    from servedperf import usage  # (its CPU seconds by thread name)
+
+    runs = []
+    load_args = argparse.Namespace(**{**vars(args), "warmup": 1.0, "duration": args.loop_duration})
+    with genperf.server("gen-continuous", load_model(NOTHING, kind="generate"), load_args) as h:
+        for i in range(args.loop_rounds):
+            before, made = usage(), h.stats()["tokens_generated"]
+            m = genperf.measure(h, load_args, users=2 * args.max_batch)
+            after, tokens = usage(), h.stats()["tokens_generated"] - made
+            cpu = {k: after["threads"].get(k, 0.0) - before["threads"].get(k, 0.0)
+                   for k in ("server loop", "model thread")}
+            runs.append({"tokens": tokens, "seconds": after["t"] - before["t"], "errors": m["errors"],
+                         "loop_us": 1e6 * cpu["server loop"] / max(tokens, 1),
+                         "model_us": 1e6 * cpu["model thread"] / max(tokens, 1)})
+            print(f"  round {i + 1}/{args.loop_rounds}: {tokens / runs[-1]['seconds']:.0f} tokens/s, the loop "
+                  f"{runs[-1]['loop_us']:.1f} us a token", file=sys.stderr)
+    return runs
+
+
 # -- rows ---------------------------------------------------------------------------------------------------------
 def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
-    rounds, s = numbers["offline"], numbers["served"]
+    rows = []
+    if "offline" in numbers:
+        rows += offline_rows(numbers["offline"], args)
+    if "served" in numbers:
+        s = numbers["served"]
+        on, off = statistics.mean(s["on"]), statistics.mean(s["off"])
+        higher = sum(p > 1 for p in s["pairs"])
+        rows.append(row(f"2 served with / without: {args.switch}", per(on, off), "(info)", None,
+                        f"{on:.1f} vs {off:.1f} tokens/s, the means of {len(s['pairs'])} pairs of {args.period:g} s "
+                        f"(ABBA, one run, {2 * args.max_batch} streams); pairs' median "
+                        f"{statistics.median(s['pairs']):.3f}, higher in {higher} of {len(s['pairs'])}"))
+    if "loop" in numbers:
+        runs = numbers["loop"]
+        tps = statistics.median(r["tokens"] / r["seconds"] for r in runs)
+        rows.append(row("3 server loop CPU per token (us), the model computing nothing",
+                        statistics.median(r["loop_us"] for r in runs), "(info)", None,
+                        f"{NOTHING}, {2 * args.max_batch} streams on {args.max_batch} places: {tps:.0f} tokens/s, "
+                        f"the model thread {statistics.median(r['model_us'] for r in runs):.1f} us a token; rounds "
+                        + ", ".join(f"{r['loop_us']:.1f}" for r in runs)))
+    return rows
+
+
+def offline_rows(rounds: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     alone = [r["alone"]["tps"] for r in rounds]
     for kind, what in (("python", "Python bursts (the GIL held)"), ("native", "hashlib bursts (the GIL released)")):
@@ -180,29 +231,32 @@ def rows_of(numbers: dict[str, Any], args: argparse.Namespace) -> list[dict[str,
                         f"{args.burst_period_ms:g} ms): at their own time's cost {1 - share / 2:.3f}, stalling the "
                         f"whole team {1 - share:.3f}; rounds "
                         + ", ".join(f"{x:.3f}" for x in ratios)))
-    on, off = statistics.mean(s["on"]), statistics.mean(s["off"])
-    higher = sum(p > 1 for p in s["pairs"])
-    rows.append(row(f"2 served with / without: {args.switch}", per(on, off), "(info)", None,
-                    f"{on:.1f} vs {off:.1f} tokens/s, the means of {len(s['pairs'])} pairs of {args.period:g} s "
-                    f"(ABBA, one run, {2 * args.max_batch} streams); pairs' median {statistics.median(s['pairs']):.3f}, "
-                    f"higher in {higher} of {len(s['pairs'])}"))
     return rows
 
 
 def smoke_checks(numbers: dict[str, Any], args: argparse.Namespace) -> Checks:
     check = Checks()
-    check.rows(numbers["rows"], ["1 offline beside Python", "1 offline beside hashlib", "2 served with / without"])
-    for i, r in enumerate(numbers["offline"], 1):
+    check.rows(numbers["rows"], [name for part, name in (("offline", "1 offline beside Python"),
+                                                          ("offline", "1 offline beside hashlib"),
+                                                          ("served", "2 served with / without"),
+                                                          ("loop", "3 server loop CPU per token")) if part in numbers])
+    for i, r in enumerate(numbers.get("offline", []), 1):
         for kind in KINDS:
             check.positive(r[kind]["tps"], f"round {i}: {kind} tokens/s")
         for kind in KINDS[1:]:
             check.positive(r[kind]["burst_cores"], f"round {i}: the {kind} bursts' share of a core")
-    s = numbers["served"]
-    check(s["complete"], "the served run ended before its switching did")
-    check(len(s["on"]) == len(s["off"]) == args.pairs, f"{len(s['on'])}/{len(s['off'])} phases of {args.pairs} pairs")
-    for x in s["on"] + s["off"]:
-        check.positive(x, "a phase's tokens/s")
-    check(s["errors"] == 0, f"{s['errors']} of {s['requests']} served requests failed")
+    if "served" in numbers:
+        s = numbers["served"]
+        check(s["complete"], "the served run ended before its switching did")
+        check(len(s["on"]) == len(s["off"]) == args.pairs,
+              f"{len(s['on'])}/{len(s['off'])} phases of {args.pairs} pairs")
+        for x in s["on"] + s["off"]:
+            check.positive(x, "a phase's tokens/s")
+        check(s["errors"] == 0, f"{s['errors']} of {s['requests']} served requests failed")
+    for i, r in enumerate(numbers.get("loop", []), 1):
+        check.positive(r["tokens"], f"part 3 round {i}: tokens made")
+        check.positive(r["loop_us"], f"part 3 round {i}: the loop's CPU a token")
+        check(r["errors"] == 0, f"part 3 round {i}: {r['errors']} requests failed")
     return check
 
 
@@ -212,21 +266,30 @@ def main() -> int:
     lo, _, hi = args.tokens.partition(":")
     genperf.LENGTHS = UniformLength(int(lo), int(hi or lo))
     args.device, args.timeout = "cpu", 900.0
+    parts = {p.strip() for p in args.parts.split(",")}
+    if not parts or parts - {"1", "2", "3"}:
+        ap.error(f"--parts {args.parts}: a comma-separated choice of 1, 2 and 3")
     clock = RunClock()
-    gen = load_model(args.model, device="cpu", kind="generate")
-    blocker = compile_blocker(gen)
-    if blocker is None:  # as `labserver serve` runs it by default
-        on_fresh_thread(lambda: use_compiled(gen).warm())
-    numbers: dict[str, Any] = {"machine": machine_info("cpu"), "args": vars(args), "command": " ".join(sys.argv),
-                               "decode": "compiled" if blocker is None else f"eager: {blocker}"}
-    print(f"1: the offline engine beside bursts ({args.rounds} rounds) ...", file=sys.stderr)
-    numbers["offline"] = offline_beside(gen, args)
-    print(f"2: served, {args.switch} switched every {args.period:g} s ({args.pairs} pairs) ...", file=sys.stderr)
-    numbers["served"] = served_switched(gen, args)
+    numbers: dict[str, Any] = {"machine": machine_info("cpu"), "args": vars(args), "command": " ".join(sys.argv)}
+    if parts & {"1", "2"}:
+        gen = load_model(args.model, device="cpu", kind="generate")
+        blocker = compile_blocker(gen)
+        if blocker is None:  # as `labserver serve` runs it by default
+            on_fresh_thread(lambda: use_compiled(gen).warm())
+        numbers["decode"] = "compiled" if blocker is None else f"eager: {blocker}"
+    if "1" in parts:
+        print(f"1: the offline engine beside bursts ({args.rounds} rounds) ...", file=sys.stderr)
+        numbers["offline"] = offline_beside(gen, args)
+    if "2" in parts:
+        print(f"2: served, {args.switch} switched every {args.period:g} s ({args.pairs} pairs) ...", file=sys.stderr)
+        numbers["served"] = served_switched(gen, args)
+    if "3" in parts:
+        print(f"3: the server loop's CPU a token, {NOTHING} ({args.loop_rounds} rounds) ...", file=sys.stderr)
+        numbers["loop"] = loop_cost(args)
     rows = rows_of(numbers, args)
     numbers["rows"] = rows
-    footer = (f"{clock.line()}\n{args.model}, decode steps {numbers['decode']}; ratios side by side in one process, "
-              "never against runs far apart")
+    model = f"{args.model}, decode steps {numbers['decode']}" if "decode" in numbers else f"part 3 only ({NOTHING})"
+    footer = f"{clock.line()}\n{model}; ratios side by side in one process, never against runs far apart"
     write_results(args.out, numbers, rows, footer, width=max(len(r["target"]) for r in rows) + 2)
     return exit_status(args, numbers, rows, smoke_checks)
 

@@ -144,7 +144,8 @@ class SeqStream(StreamingResponse):
                          headers={**headers, "cache-control": "no-cache"})
 
     async def stream_response(self, send: Send) -> None:
-        """Starlette's, with ``begun`` set where the loop begins (its first step enters the ``try`` its ending is in)."""
+        """Starlette's, with ``begun`` set where the loop begins: its first step enters the ``try`` its ending is in,
+        with nothing awaited in between."""
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         self.begun = True
         async for piece in self.body_iterator:
