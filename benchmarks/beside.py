@@ -136,8 +136,8 @@ def switcher(h: Any, switch: str) -> Any:
 
 def served_switched(gen: Any, args: argparse.Namespace) -> dict[str, Any]:
     phases = 2 * args.pairs
-    args.warmup, args.duration_s = 2 * args.period, phases * args.period + 2 * args.period
-    load_args = argparse.Namespace(**{**vars(args), "duration": args.duration_s})
+    warmup = 2 * args.period
+    load_args = argparse.Namespace(**{**vars(args), "warmup": warmup, "duration": (phases + 2) * args.period})
     with genperf.server("gen-continuous", gen, load_args) as h:
         by_default = getattr(h.runtime.engine, "flush_turns", None)
         apply = switcher(h, args.switch)
@@ -151,7 +151,7 @@ def served_switched(gen: Any, args: argparse.Namespace) -> dict[str, Any]:
         measured = threading.Event()
 
         def switching() -> None:
-            time.sleep(args.warmup + 0.5 * args.period)
+            time.sleep(warmup + 0.5 * args.period)
             for i in range(phases):
                 on = i % 4 in (1, 2)  # off, on, on, off: ABBA
                 on_loop(on)
