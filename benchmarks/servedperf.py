@@ -10,7 +10,9 @@ even ones), ``--rounds`` times:
 
 - **offline**: ``genperf.offline_engine`` (the reference, unchanged: our model's prefill and
   decode called directly in a loop, ``--max-batch`` sequences always running, an endless
-  supply of ``genperf.workload``), for ``--duration`` seconds: tokens/s.
+  supply of ``genperf.workload``), for ``--duration`` seconds after ``--warmup`` (uncounted, as the
+  served window's: it starts with every sequence young, its calls cheaper than in the steady
+  state): tokens/s.
 - **served**: ``gen-continuous`` with ``--max-batch``, 2 x max_batch closed-loop users
   streaming from ``/generate`` (``genperf``'s workload: prompts of 8-24 words, answers of
   16..256 tokens with ``ignore_eos``); tokens/s counted in ``--duration`` seconds after
@@ -101,15 +103,22 @@ def per_second(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 def offline(gen: Any, work: list[tuple[list[int], int]], args: argparse.Namespace) -> dict[str, Any]:
-    """The reference, on a thread that ends with it (as the server's model thread does: one OpenMP team at a time)."""
+    """The reference, on a thread that ends with it (as the server's model thread does: one OpenMP team at a time),
+    counted after the same ``--warmup`` as the served window (``offline_engine`` says why), its costs and CPU use
+    over the counted part only."""
+    at: dict[str, Any] = {}
+
+    def warmed() -> None:
+        at.update(usage=usage(), costs=replace(gen.costs))
+
     def run() -> dict[str, Any]:  # (usage read on the thread: its CPU time is gone from /proc when it ends)
-        before = usage()
-        result = offline_engine(gen, work, args.max_batch, args.duration)
-        return {**result, **per_second(before, usage())}
+        result = offline_engine(gen, work, args.max_batch, args.duration, args.warmup, warmed)
+        return {**result, **per_second(at["usage"], usage())}
 
     gen.costs = Costs()
     try:
-        return {**on_fresh_thread(run), **costs_of(gen.costs)}
+        result = on_fresh_thread(run)
+        return {**result, "warmup_s": args.warmup, **costs_of(gen.costs - at["costs"])}
     finally:
         gen.costs = None
 

@@ -25,6 +25,29 @@ def smoke(script: str, out: Path, *args: str, timeout: int = 600) -> tuple[subpr
     return run, json.loads(out.read_text())
 
 
+def test_the_offline_engine_counts_only_the_tokens_made_after_its_warm_up(monkeypatch: Any) -> None:
+    """servedperf and realmodel compare a served window after a warm-up with ``offline_engine``: its young start
+    (every sequence fresh, calls cheaper than in the steady state) is run but not counted."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import genperf
+
+    from labserver.models import load_model
+
+    gen = load_model("gpt2-tiny-random", device="cpu", kind="generate")
+    made, warm = {"before": 0, "after": 0}, []
+    forward = gen.forward
+
+    def counted(chunks: Any) -> Any:
+        out = forward(chunks)
+        made["after" if warm else "before"] += sum(o is not None for o in out)
+        return out
+
+    monkeypatch.setattr(gen, "forward", counted)
+    run = genperf.offline_engine(gen, genperf.workload(gen, 16, 0), 4, 0.2, 0.2, lambda: warm.append(True))
+    assert warm == [True] and made["before"] > 0
+    assert round(run["tps"] * run["seconds"]) == made["after"] > 0
+
+
 def test_perf_script_prints_every_target(tmp_path: Path) -> None:
     out = tmp_path / "perf.json"
     run = subprocess.run(

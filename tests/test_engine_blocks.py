@@ -56,6 +56,26 @@ def test_a_shared_prefix_is_computed_once() -> None:
     m.check()
 
 
+def test_registers_says_whether_computed_would_register_a_block() -> None:
+    """The scheduler builds a sequence's tokens for ``computed`` only when ``registers`` says a whole block is new."""
+    m = BlockManager(16, B, prefix_cache=True)
+    tokens = list(range(11))
+    m.start(1, tokens[:3])
+    m.grow(1, 11)
+    assert not m.registers(1, 3)  # no whole block yet
+    assert m.registers(1, 4) and m.registers(1, 9)
+    m.computed(1, tokens, 9)  # two whole blocks registered
+    assert not m.registers(1, 9) and not m.registers(1, 11)
+    m.grow(1, 12)
+    assert m.registers(1, 12)
+    m.computed(1, [*tokens, 11], 12)
+    assert not m.registers(1, 99)  # never past the blocks its table holds
+    plain = BlockManager(16, B)
+    plain.start(1, tokens)
+    plain.grow(1, 11)
+    assert not plain.registers(1, 11)  # no prefix cache: nothing is ever registered
+
+
 def test_cached_blocks_outlive_their_table_and_are_evicted_least_recent_first() -> None:
     m = BlockManager(4, B, prefix_cache=True)
     a = list(range(9))  # two whole blocks and one partial

@@ -200,6 +200,12 @@ class BlockManager:
         self.refs[block] = 1
         return block
 
+    def registers(self, owner: int, positions: int) -> bool:
+        """Whether ``computed(owner, ..., positions)`` would register a block (one more whole block computed): the
+        caller builds the tokens only then (once per ``block_tokens`` decode steps)."""
+        return self.prefix_cache and len(self._keys[owner]) < min(positions // self.block_tokens,
+                                                                   len(self.tables[owner]))
+
     def computed(self, owner: int, tokens: Sequence[int], positions: int) -> None:
         """``owner``'s first ``positions`` positions hold KV now: register its whole blocks among them."""
         if not self.prefix_cache:

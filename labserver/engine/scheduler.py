@@ -284,7 +284,8 @@ class Scheduler:
             if not seq.tokens and seq.computed + n == seq.kv_tokens:
                 c.requests_prefilled += 1
             seq.computed += n
-            self.blocks.computed(seq.sid, seq.context, seq.computed)
+            if self.blocks.registers(seq.sid, seq.computed):
+                self.blocks.computed(seq.sid, seq.context, seq.computed)
             if out is not None:
                 if seq.sid in decoding:
                     seq.decode_calls += 1
@@ -335,7 +336,8 @@ class Scheduler:
             if seq.finished:
                 break
         seq.computed = start + min(made, kept) + 1  # its last token and the guesses kept (and emitted)
-        self.blocks.computed(seq.sid, seq.context, seq.computed)
+        if self.blocks.registers(seq.sid, seq.computed):
+            self.blocks.computed(seq.sid, seq.context, seq.computed)
         if not seq.finished:
             self.blocks.shrink(seq.sid, seq.kv_tokens)
         return made, kept

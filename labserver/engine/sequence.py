@@ -14,6 +14,7 @@ import asyncio
 import math
 import random
 from collections.abc import Collection
+from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,7 @@ class Request:
 
 
 def _asked(name: str) -> property:
-    return property(lambda seq: getattr(seq.request, name), doc=f"The request's ``{name}`` (read-only).")
+    return property(attrgetter(f"request.{name}"), doc=f"The request's ``{name}`` (read-only).")
 
 
 @dataclass(eq=False)
@@ -107,11 +108,11 @@ class Seq:
     @property
     def kv_tokens(self) -> int:
         """Its context: prompt and tokens made (the last one's KV is computed by the next step)."""
-        return len(self.prompt_ids) + len(self.tokens)
+        return len(self.request.prompt_ids) + len(self.tokens)
 
     @property
     def context(self) -> list[int]:
-        return self.prompt_ids + self.tokens
+        return self.request.prompt_ids + self.tokens
 
     @property
     def pending(self) -> int:
