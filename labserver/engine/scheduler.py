@@ -336,8 +336,7 @@ class Scheduler:
             if seq.finished:
                 break
         seq.computed = start + min(made, kept) + 1  # its last token and the guesses kept (and emitted)
-        if self.blocks.registers(seq.sid, seq.computed):
-            self.blocks.computed(seq.sid, seq.context, seq.computed)
+        self.blocks.computed(seq.sid, seq.context, seq.computed)
         if not seq.finished:
             self.blocks.shrink(seq.sid, seq.kv_tokens)
         return made, kept
